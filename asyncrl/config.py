@@ -1,0 +1,238 @@
+"""Typed run configuration: TOML file + `--section.key value` overrides, validated at load.
+
+Imports no torch, so the CLI can reject a bad config before any role starts.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key, the value and what is allowed."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "demo"
+    root: str = "runs"
+    seed: int = 0
+    steps: int = Field(40, ge=1, description="training steps (versions published)")
+    overwrite: bool = True
+
+
+class ModelConfig(Section):
+    path: str = "models/tiny-chain-sum"
+    # When `path` is the default tiny model and it is missing, build it first (asyncrl warmstart).
+    warmstart_if_missing: bool = True
+
+
+class WarmstartConfig(Section):
+    steps: int = Field(500, ge=1)
+    max_seconds: float = Field(300.0, gt=0, description="stop early on a slow machine")
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    hidden_size: int = Field(128, ge=8)
+    layers: int = Field(4, ge=1)
+    heads: int = Field(4, ge=1)
+    threads: int = Field(2, ge=1)
+    seed: int = 0
+
+
+class TaskConfig(Section):
+    name: str = "chain_sum"
+    params: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    # compact: "84-12=" from the task's expression; question: the dataset's full question text.
+    prompt_format: Literal["compact", "question"] = "compact"
+    # "module:function" taking (completion: str, entry: dict) -> float; default: the dataset's own.
+    verifier: str | None = None
+    seed: int = 1
+    eval_size: int = Field(200, ge=0)
+    eval_seed: int = 10_000
+    eval_every: int = Field(10, ge=1)
+
+
+class RolloutConfig(Section):
+    max_staleness: int = Field(1, ge=0)
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_concurrent_groups: int = Field(64, ge=1)
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+
+
+class ObjectiveConfig(Section):
+    name: str = "ppo_clip"
+    # "module:function" of a user's own objective with the same signature; overrides `name`.
+    import_path: str | None = None
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    # decoupled_ppo: how the proximal policy's logprobs are obtained (ALGORITHMS.md)
+    prox: Literal["recompute", "loglinear"] = "recompute"
+    # decoupled_ppo: cap on the behaviour importance weight exp(prox - behav); None = no cap
+    behav_weight_cap: float | None = 5.0
+
+
+class TrainerConfig(Section):
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    minibatches: int = Field(1, ge=1, description="optimizer steps per batch (one version)")
+    checkpoint_every: int = Field(20, ge=1)
+    keep_weight_versions: int = Field(4, ge=2)
+    # 0 = choose: both cores when roles alternate (max_staleness 0), one each when they overlap.
+    threads: int = Field(0, ge=0)
+
+
+class InferenceConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    threads: int = Field(0, ge=0)
+    max_batch_sequences: int = Field(512, ge=1)
+    max_prompt_tokens: int = Field(256, ge=1)
+
+
+class TimeoutConfig(Section):
+    """Every wait has a deadline (seconds)."""
+
+    startup: float = Field(120.0, gt=0)
+    http: float = Field(60.0, gt=0)
+    batch: float = Field(600.0, gt=0, description="trainer waiting for its next batch")
+    train_step: float = Field(600.0, gt=0, description="orchestrator waiting for a new version")
+    weight_load: float = Field(60.0, gt=0)
+    verifier: float = Field(10.0, gt=0)
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    inference: InferenceConfig = InferenceConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+
+    @model_validator(mode="after")
+    def _check_objective_name(self) -> "Config":
+        from asyncrl.objectives import REGISTRY
+
+        if self.objective.import_path is None and self.objective.name not in REGISTRY:
+            raise ValueError(
+                f"objective.name = {self.objective.name!r} is not a known objective; "
+                f"allowed: {', '.join(REGISTRY)} (or set objective.import_path)"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.root) / self.run.name
+
+    def role_threads(self, role: str) -> int:
+        """Threads for one role: when the roles alternate (η = 0) each may use every core."""
+        import os
+
+        asked = self.trainer.threads if role == "trainer" else self.inference.threads
+        if asked:
+            return asked
+        cores = os.cpu_count() or 1
+        return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
+
+
+def _parse_value(text: str) -> Any:
+    """An override value: TOML/JSON literal when it parses as one, else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """["--rollout.max_staleness", "4", "--run.name=x"] -> {"rollout": {"max_staleness": 4}, ...}"""
+    tree: dict[str, Any] = {}
+    items = iter(args)
+    for arg in items:
+        if not arg.startswith("--"):
+            raise ConfigError(f"override {arg!r} must look like --section.key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = next(items, None)
+            if value is None:
+                raise ConfigError(f"override --{key} has no value")
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _parse_value(value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "params":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        if e["type"] == "extra_forbidden":
+            section = e["loc"][:-1]
+            allowed = _allowed_keys(section)
+            lines.append(f"unknown key {key!r}; allowed here: {', '.join(allowed)}")
+        else:
+            lines.append(f"{key} = {e.get('input')!r}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(section_path: tuple) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in section_path:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    if overrides:
+        extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        data = _merge(data, extra)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+
+
+def read_run_config(run_dir: str | Path) -> Config:
+    return Config.model_validate_json((Path(run_dir) / "config.json").read_text())

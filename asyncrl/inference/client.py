@@ -1,0 +1,75 @@
+"""Async HTTP client for an inference server; every call has a deadline and a clear error."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+
+class InferenceError(RuntimeError):
+    pass
+
+
+class InferenceClient:
+    def __init__(self, url: str, timeout: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "InferenceClient":
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    async def _call(self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs) -> dict:
+        url = self.url + endpoint
+        deadline = timeout or self.timeout
+        try:
+            async with self._session.request(
+                method, url, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
+            ) as resp:
+                body = await resp.json(content_type=None)
+                if resp.status != 200:
+                    message = (body or {}).get("error", {}).get("message", body)
+                    raise InferenceError(f"inference server {self.url} refused {what} ({resp.status}): {message}")
+                return body
+        except asyncio.TimeoutError:
+            raise InferenceError(
+                f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise InferenceError(f"inference server {self.url} unreachable during {what}: {e}") from None
+
+    async def complete(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                       top_p: float = 1.0, stop_token_ids: list[int] | None = None) -> list[dict]:
+        body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p, "stop_token_ids": stop_token_ids or []}
+        return (await self._call("POST", "/v1/completions", "a completion request", json=body))["choices"]
+
+    async def update_weights(self, path: str, version: int, timeout: float) -> int:
+        body = {"path": path, "version": version}
+        out = await self._call("POST", "/update_weights", f"loading weights version {version}", timeout, json=body)
+        return out["version"]
+
+    async def version(self, with_hash: bool = False) -> dict:
+        return await self._call("GET", "/version" + ("?hash=1" if with_hash else ""), "a version query")
+
+    async def stats(self) -> dict:
+        return await self._call("GET", "/stats", "a stats query")
+
+    async def wait_healthy(self, deadline: float) -> None:
+        start = time.monotonic()
+        while True:
+            try:
+                await self._call("GET", "/health", "a health check", timeout=min(5.0, deadline))
+                return
+            except InferenceError as e:
+                if time.monotonic() - start > deadline:
+                    raise InferenceError(f"inference server {self.url} not healthy after {deadline:.0f}s: {e}") from None
+                await asyncio.sleep(0.2)

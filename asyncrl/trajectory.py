@@ -1,0 +1,52 @@
+"""The unit of data that crosses process boundaries (DESIGN.md, "The unit of data")."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Trajectory:
+    id: str
+    group_id: str
+    task: str
+    prompt_id: int
+    tokens: list[int]        # prompt + completion (+ tool/env turns)
+    loss_mask: list[int]     # 1 only where the policy sampled the token
+    logprobs: list[float]    # behaviour logprob per token (0.0 where not sampled)
+    versions: list[int]      # policy version that sampled each token (-1 elsewhere)
+    reward: float = 0.0
+    advantages: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        sampled = [v for v in self.versions if v >= 0]
+        return min(sampled) if sampled else -1
+
+    def staleness(self, trained_version: int) -> int:
+        """Versions between the oldest token's sampler and the weights that train on it."""
+        return trained_version - self.oldest_version
+
+
+def batch_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "batches" / f"step_{step:06d}.jsonl"
+
+
+def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory]) -> Path:
+    """Atomically: the trainer never sees a half-written batch."""
+    path = batch_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps(asdict(t)) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_batch(path: str | Path) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory(**json.loads(line)) for line in f if line.strip()]

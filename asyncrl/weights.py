@@ -1,0 +1,78 @@
+"""The weights channel: versioned safetensors files in the run directory.
+
+Version v is `weights/v{v:06d}.safetensors`, followed by `v{v:06d}.json` (the trainer's step
+metrics and the weights' hash). The json is written last, so its presence means the version is
+complete. Version 0 is the initial model at `model.path`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def weights_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "weights"
+
+
+def weights_file(run_dir: str | Path, version: int) -> Path:
+    return weights_dir(run_dir) / f"v{version:06d}.safetensors"
+
+
+def marker_file(run_dir: str | Path, version: int) -> Path:
+    return weights_dir(run_dir) / f"v{version:06d}.json"
+
+
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over names and raw bytes, in name order: equal iff the weights are bit-identical."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(tensor.dtype).encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights to publish: tied parameters only once (safetensors refuses shared storage)."""
+    seen, state = set(), {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.detach().contiguous()
+    return state
+
+
+def publish(run_dir: str | Path, version: int, state: dict[str, torch.Tensor], meta: dict) -> str:
+    """Write version `version`; returns its hash."""
+    path = weights_file(run_dir, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+    digest = state_hash(state)
+    marker = marker_file(run_dir, version)
+    marker.with_suffix(".tmp").write_text(json.dumps({**meta, "version": version, "hash": digest}))
+    os.replace(marker.with_suffix(".tmp"), marker)
+    return digest
+
+
+def read_marker(run_dir: str | Path, version: int) -> dict | None:
+    path = marker_file(run_dir, version)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def load(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def prune(run_dir: str | Path, newest: int, keep: int) -> None:
+    """Drop weight files older than the last `keep` versions (markers stay: they hold metrics)."""
+    for version in range(max(1, newest - keep - 8), newest - keep + 1):
+        weights_file(run_dir, version).unlink(missing_ok=True)
