@@ -84,6 +84,8 @@ class ObjectiveConfig(Section):
 
 class TrainerConfig(Section):
     lr: float = Field(2e-4, gt=0)
+    # Linear warm-up: Adam's first steps move every weight by ~lr whatever the gradient's size.
+    warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)

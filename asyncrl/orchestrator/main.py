@@ -44,6 +44,7 @@ class Orchestrator:
         self.served_version = 0
         self.cursor = 0  # next dataset index
         self.ready: list[list[Trajectory]] = []
+        self.failure: Exception | None = None  # first rollout error; ends the run
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight: set[asyncio.Task] = set()
         self.batch_stats: dict[int, dict] = {}
@@ -57,11 +58,14 @@ class Orchestrator:
             self.changed.notify_all()
 
     async def _wait_for(self, predicate, deadline: float, what: str) -> None:
+        """Wait until `predicate()` holds; a failed rollout or the deadline ends the wait with an error."""
         try:
             async with self.changed:
-                await asyncio.wait_for(self.changed.wait_for(predicate), deadline)
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.failure or predicate()), deadline)
         except asyncio.TimeoutError:
             raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what}") from None
+        if self.failure:
+            raise self.failure
 
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -82,7 +86,12 @@ class Orchestrator:
             task.add_done_callback(self.in_flight.discard)
 
     async def _run_group(self, index: int) -> None:
-        group, events = await rollout_group(self.client, self.tasks, self.tokenizer, index, self.cfg)
+        try:
+            group, events = await rollout_group(self.client, self.tasks, self.tokenizer, index, self.cfg)
+        except Exception as e:  # e.g. the inference server is gone: every waiting loop must hear of it
+            self.failure = e
+            await self._notify()
+            return
         for e in events:
             self.events.write({**e, "time": time.monotonic() - self.start})
         if group:
@@ -148,6 +157,8 @@ class Orchestrator:
     async def _wait_for_version(self, version: int) -> dict:
         start = time.monotonic()
         while (marker := weights.read_marker(self.run_dir, version)) is None:
+            if self.failure:
+                raise self.failure
             if time.monotonic() - start > self.cfg.timeouts.train_step:
                 raise TimeoutError(
                     f"orchestrator: the trainer did not publish version {version} (step {version - 1}) "
@@ -213,9 +224,9 @@ async def main(run_dir: Path) -> None:
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
     url = json.loads((run_dir / "inference.json").read_text())["url"]
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     async with InferenceClient(url, cfg.timeouts.http) as client:
         await client.wait_healthy(cfg.timeouts.startup)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         await Orchestrator(cfg, run_dir, client, tokenizer).run()
     print("orchestrator: done", flush=True)
 

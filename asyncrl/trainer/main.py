@@ -33,14 +33,15 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float) -> Path:
     return path
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, keep: int = 2) -> Path:
-    """Model + optimizer + RNG after `step` steps, written to a temp dir and renamed into place."""
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2) -> Path:
+    """Model + optimizer + scheduler + RNG after `step` steps, written to a temp dir and renamed into place."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     tmp.mkdir(parents=True, exist_ok=True)
     torch.save(
-        {"step": step, "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()},
+        {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+         "rng": torch.get_rng_state()},
         tmp / "trainer_state.pt",
     )
     model.save_pretrained(tmp)
@@ -62,6 +63,8 @@ def main(run_dir: str) -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, betas=cfg.trainer.betas, weight_decay=cfg.trainer.weight_decay
     )
+    warmup = cfg.trainer.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     busy = idle = 0.0
     print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}", flush=True)
@@ -71,6 +74,8 @@ def main(run_dir: str) -> None:
         trajs = read_batch(path)
         t1 = time.monotonic()
         metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id)
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        scheduler.step()
         t2 = time.monotonic()
         idle, busy = idle + (t1 - t0), busy + (t2 - t1)
         metrics.update(
@@ -80,7 +85,7 @@ def main(run_dir: str) -> None:
         weights.publish(run_dir, step + 1, weights.model_state(model), metrics)
         weights.prune(run_dir, step + 1, cfg.trainer.keep_weight_versions)
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
-            save_checkpoint(run_dir, step + 1, model, optimizer)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler)
         busy += time.monotonic() - t2
     print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {idle:.1f}s", flush=True)
 

@@ -1,0 +1,44 @@
+"""Shared fixtures: one tiny warm-started policy for the whole session, and a job runner."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The default tiny policy, built once (about a minute); ASYNCRL_TEST_MODEL reuses a built one."""
+    given = os.environ.get("ASYNCRL_TEST_MODEL")
+    if given:
+        return given
+    from asyncrl.warmstart import warmstart
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    warmstart(load_config(), out, log=lambda *a, **k: None)
+    return str(out)
+
+
+def job_config(tmp_path: Path, model: str, **overrides):
+    """A short run's config: small batches, a run dir under tmp_path, overrides as {"a.b": v}."""
+    base = {
+        "run.root": str(tmp_path / "runs"), "run.name": "job", "run.steps": 6, "model.path": model,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "task.eval_size": 50,
+        "timeouts.startup": 60, "timeouts.train_step": 120, "timeouts.batch": 120,
+    }
+    base.update(overrides)
+    args = [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]
+    return load_config(overrides=args)
+
+
+@pytest.fixture
+def tests_on_path(monkeypatch):
+    """Role processes can import helper modules from tests/ (e.g. a verifier that raises)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))
+    monkeypatch.syspath_prepend(str(TESTS))

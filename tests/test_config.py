@@ -1,0 +1,66 @@
+import pytest
+
+from asyncrl.config import ConfigError, load_config, parse_overrides
+
+
+def test_defaults_run_the_cpu_demo():
+    cfg = load_config()
+    assert cfg.model.path == "models/tiny-chain-sum"
+    assert cfg.task.name == "chain_sum"
+    assert cfg.objective.name in ("ppo_clip", "decoupled_ppo")
+
+
+def test_overrides_are_typed():
+    tree = parse_overrides(["--rollout.max_staleness", "4", "--run.name=x", "--objective.behav_weight_cap", "2.5"])
+    assert tree == {"rollout": {"max_staleness": 4}, "run": {"name": "x"}, "objective": {"behav_weight_cap": 2.5}}
+    cfg = load_config(overrides=["--rollout.max_staleness", "4", "--run.name", "x"])
+    assert cfg.rollout.max_staleness == 4 and cfg.run.name == "x"
+
+
+def test_unknown_key_names_key_and_allowed_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--rollout.max_stalenes", "4"])
+    msg = str(err.value)
+    assert "rollout.max_stalenes" in msg and "max_staleness" in msg and "group_size" in msg
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ConfigError, match="unknown key 'rollouts'"):
+        load_config(overrides=["--rollouts.group_size", "4"])
+
+
+def test_bad_value_names_key_value_and_constraint():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--rollout.max_staleness", "-1"])
+    msg = str(err.value)
+    assert "rollout.max_staleness" in msg and "-1" in msg and "greater than or equal to 0" in msg
+
+
+def test_bad_choice_lists_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--objective.name", "ppo_clipp"])
+    assert "ppo_clipp" in str(err.value) and "decoupled_ppo" in str(err.value)
+    with pytest.raises(ConfigError, match="recompute"):
+        load_config(overrides=["--objective.prox", "exact"])
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[rollout]\nmax_staleness = 2\n[run]\nname = "t"\n')
+    cfg = load_config(path, ["--rollout.group_size", "3"])
+    assert (cfg.rollout.max_staleness, cfg.rollout.group_size, cfg.run.name) == (2, 3, "t")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    path.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+
+
+def test_auto_thread_split():
+    sync = load_config(overrides=["--rollout.max_staleness", "0"])
+    async_ = load_config(overrides=["--rollout.max_staleness", "2"])
+    import os
+
+    cores = os.cpu_count()
+    assert sync.role_threads("trainer") == cores
+    assert async_.role_threads("trainer") == max(1, cores // 2)

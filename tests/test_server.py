@@ -1,0 +1,116 @@
+"""The inference server as a real process over real HTTP."""
+import asyncio
+import subprocess
+
+import pytest
+import torch
+
+from asyncrl import weights
+from asyncrl.inference.client import InferenceClient, InferenceError
+from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
+from asyncrl.model import load_policy
+from asyncrl.trainer.step import collate, token_logprobs
+from asyncrl.trajectory import Trajectory
+from conftest import job_config
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    cfg = job_config(tmp_path_factory.mktemp("srv"), tiny_model)
+    run_dir = prepare_run_dir(cfg)
+    proc = start_role("inference", run_dir, threads=1)
+    try:
+        wait_for_inference(proc, run_dir, 60)
+        import json
+
+        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir, tiny_model
+    finally:
+        stop({"inference": proc})
+
+
+def call(coro_fn, url):
+    async def go():
+        async with InferenceClient(url, timeout=30) as client:
+            await client.wait_healthy(30)
+            return await coro_fn(client)
+
+    return asyncio.run(go())
+
+
+def test_completion_shape_and_logprobs_match_the_trainer(server):
+    url, _, model_path = server
+    model, tok = load_policy(model_path)
+    prompt = tok("12+30=")["input_ids"]
+    choices = call(lambda c: c.complete([prompt], n=3, max_tokens=5, temperature=1.0), url)
+    assert len(choices) == 3
+    trajs = []
+    for ch in choices:
+        assert len(ch["token_ids"]) == len(ch["logprobs"]["token_logprobs"]) == len(ch["versions"]) >= 1
+        assert ch["finish_reason"] in ("stop", "length")
+        n = len(ch["token_ids"])
+        trajs.append(Trajectory("x", "g", "t", 0, prompt + ch["token_ids"], [0] * len(prompt) + [1] * n,
+                                [0.0] * len(prompt) + ch["logprobs"]["token_logprobs"],
+                                [-1] * len(prompt) + ch["versions"]))
+    batch = collate(trajs, tok.pad_token_id, version=0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=1.0)
+    # the trainer's logprobs of the same version equal the engine's (no train-inference mismatch)
+    assert torch.allclose(logp * batch["mask"], batch["behav"], atol=1e-4)
+
+
+def test_updated_weights_equal_the_trainers(server):
+    url, run_dir, model_path = server
+    model, _ = load_policy(model_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    digest = weights.publish(run_dir, 1, weights.model_state(model), {})
+
+    async def update_and_read(client):
+        before = await client.version(with_hash=True)
+        await client.update_weights(str(weights.weights_file(run_dir, 1)), 1, timeout=30)
+        return before, await client.version(with_hash=True)
+
+    before, after = call(update_and_read, url)
+    assert before["hash"] != digest
+    assert after == {"version": 1, "hash": digest}
+    choices = call(lambda c: c.complete([[1, 5, 6]], n=2, max_tokens=3, temperature=1.0), url)
+    assert all(v == 1 for ch in choices for v in ch["versions"])
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": [1, 5, 100000]}, "token ids must be integers"),
+    ({"prompt": [1, -3]}, "token ids must be integers"),
+    ({"prompt": []}, "'prompt' must be"),
+    ({"prompt": [5] * 1000}, "the limit is"),
+    ({"prompt": [1, 5], "max_tokens": -1}, "'max_tokens' must be a positive integer"),
+    ({"prompt": [1, 5], "n": 0}, "'n' must be a positive integer"),
+    ({"prompt": [1, 5], "top_p": 0}, "'top_p'"),
+])
+def test_malformed_requests_get_400_and_do_not_disturb_others(server, body, message):
+    url = server[0]
+
+    async def bad_then_good(client):
+        bad = client._call("POST", "/v1/completions", "a bad request", json=body)
+        good = client.complete([[1, 5, 6]], n=1, max_tokens=3, temperature=1.0)
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = call(bad_then_good, url)
+    assert isinstance(bad, InferenceError) and "(400)" in str(bad) and message in str(bad)
+    assert isinstance(good, list) and len(good) == 1
+
+
+def test_unreachable_server_fails_fast_with_its_name():
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+
+    async def go():
+        async with InferenceClient(f"http://127.0.0.1:{port}", timeout=2) as client:
+            await client.complete([[1, 2]], 1, 2, 1.0)
+
+    with pytest.raises(InferenceError, match=f"inference server http://127.0.0.1:{port} unreachable"):
+        asyncio.run(go())
