@@ -24,8 +24,8 @@ class RunConfig(Section):
     name: str = "demo"
     root: str = "runs"
     seed: int = 0
-    steps: int = Field(40, ge=1, description="training steps (versions published)")
-    overwrite: bool = True
+    steps: int = Field(200, ge=1, description="training steps (versions published)")
+    overwrite: bool = False
 
 
 class ModelConfig(Section):
@@ -56,7 +56,7 @@ class TaskConfig(Section):
     seed: int = 1
     eval_size: int = Field(200, ge=0)
     eval_seed: int = 10_000
-    eval_every: int = Field(10, ge=1)
+    eval_every: int = Field(20, ge=1)
 
 
 class RolloutConfig(Section):

@@ -143,7 +143,9 @@ class Progress:
             else:
                 self.step = record
             changed = True
-        if changed and self.step:
+        # On a terminal the line is rewritten in place; in a log, one line per ~5% of the run.
+        every = 1 if self.tty else max(1, self.steps // 20)
+        if changed and self.step and (self.step["step"] + 1) % every == 0:
             self.show()
 
     def show(self) -> None:

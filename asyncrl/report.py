@@ -52,7 +52,11 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     t = [r["time"] for r in steps]
     ax = axes[0]
-    ax.plot(t, [r["reward"] for r in steps], label="train reward", alpha=0.6)
+    rewards = [r["reward"] for r in steps]
+    window = max(1, len(steps) // 20)
+    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
+    ax.plot(t, rewards, label="train reward (per step)", alpha=0.3)
+    ax.plot(t, smooth, label=f"train reward ({window}-step mean)")
     if evals:
         ax.plot([e["time"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", label="held-out greedy accuracy")
     ax.set(xlabel="wall time (s)", ylabel="reward / accuracy", title="reward vs time")

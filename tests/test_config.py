@@ -64,3 +64,10 @@ def test_auto_thread_split():
     cores = os.cpu_count()
     assert sync.role_threads("trainer") == cores
     assert async_.role_threads("trainer") == max(1, cores // 2)
+
+
+def test_example_recipes_load():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).parent.parent / "examples").glob("*.toml")):
+        load_config(path)

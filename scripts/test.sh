@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up and run the tests (unit tests + short real end-to-end runs). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+exec python -m pytest -q -ra --durations=10 "$@"
