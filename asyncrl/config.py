@@ -67,19 +67,44 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_concurrent_groups: int = Field(64, ge=1)
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    # grpo: (R − mean)/std per group; dr_grpo: R − mean; rloo: leave-one-out;
+    # running_baseline: R − an exponential moving average of past rewards (for group_size 1, SAO)
+    advantage: Literal["grpo", "dr_grpo", "rloo", "running_baseline"] = "grpo"
+    baseline_decay: float = Field(0.95, ge=0, lt=1)
 
 
 class ObjectiveConfig(Section):
+    """The loss: `name` picks a file in asyncrl/objectives/ (docs/objectives.md lists them)."""
+
     name: str = "ppo_clip"
     # "module:function" of a user's own objective with the same signature; overrides `name`.
     import_path: str | None = None
+    # token_mean: Σ/N over the batch (DAPO); seq_mean: mean over sequences of Σ/|τ_i|;
+    # constant: Σ/(B·L_max) (Dr. GRPO; AsyncWebRL's 1/k).
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
-    # decoupled_ppo: how the proximal policy's logprobs are obtained (ALGORITHMS.md)
+    dual_clip: float | None = Field(None, gt=1, description="bound −c·A on the loss of A < 0 tokens")
+    # decoupled_ppo, tis, mis, m2po, vcpo: how the proximal policy's logprobs are obtained
     prox: Literal["recompute", "loglinear"] = "recompute"
-    # decoupled_ppo: cap on the behaviour importance weight exp(prox - behav); None = no cap
-    behav_weight_cap: float | None = 5.0
+    # decoupled_ppo, m2po, vcpo: cap on the behaviour importance weight exp(prox − behav)
+    behav_weight_cap: float | None = Field(5.0, gt=0)
+    # tis / mis: importance ratio level and bounds
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    is_cap: float = Field(2.0, gt=0)
+    is_low: float = Field(0.5, ge=0)
+    is_high: float = Field(2.0, gt=0)
+    # gspo: sequence-ratio clip range (the paper's 3e-4 / 4e-4)
+    gspo_eps_low: float = Field(3e-4, ge=0)
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    # m2po: bound on the mean squared behaviour–proximal log-ratio
+    m2_threshold: float = Field(0.04, gt=0)
+    # vcpo: how the step shrinks with the effective sample size fraction
+    vcpo_lr_scale: Literal["ess", "sqrt_ess"] = "sqrt_ess"
+    # any objective: β·KL(π_θ ‖ π_ref) per token to the initial policy, and an entropy bonus
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
 
 
 class TrainerConfig(Section):
@@ -127,13 +152,24 @@ class Config(Section):
     timeouts: TimeoutConfig = TimeoutConfig()
 
     @model_validator(mode="after")
-    def _check_objective_name(self) -> "Config":
+    def _check_combinations(self) -> "Config":
         from asyncrl.objectives import REGISTRY
 
-        if self.objective.import_path is None and self.objective.name not in REGISTRY:
+        obj, ro = self.objective, self.rollout
+        if obj.import_path is None and obj.name not in REGISTRY:
             raise ValueError(
-                f"objective.name = {self.objective.name!r} is not a known objective; "
+                f"objective.name = {obj.name!r} is not a known objective; "
                 f"allowed: {', '.join(REGISTRY)} (or set objective.import_path)"
+            )
+        if obj.name == "dr_grpo" and (ro.advantage != "dr_grpo" or obj.loss_agg != "constant"):
+            raise ValueError(
+                "objective.name = 'dr_grpo' needs rollout.advantage = 'dr_grpo' and objective.loss_agg = "
+                f"'constant' (got {ro.advantage!r} and {obj.loss_agg!r}); see asyncrl/objectives/dr_grpo.py"
+            )
+        if ro.group_size == 1 and ro.advantage != "running_baseline":
+            raise ValueError(
+                f"rollout.group_size = 1 with rollout.advantage = {ro.advantage!r} gives every sample a zero "
+                "advantage; use rollout.advantage = 'running_baseline'"
             )
         return self
 

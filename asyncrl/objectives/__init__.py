@@ -10,7 +10,15 @@ from typing import Callable
 
 REGISTRY: dict[str, str] = {
     "ppo_clip": "asyncrl.objectives.ppo_clip:loss",
+    "dr_grpo": "asyncrl.objectives.dr_grpo:loss",
     "decoupled_ppo": "asyncrl.objectives.decoupled_ppo:loss",
+    "tis": "asyncrl.objectives.tis:loss",
+    "mis": "asyncrl.objectives.mis:loss",
+    "gspo": "asyncrl.objectives.gspo:loss",
+    "m2po": "asyncrl.objectives.m2po:loss",
+    "vcpo": "asyncrl.objectives.vcpo:loss",
+    "sao": "asyncrl.objectives.sao:loss",
+    "cispo": "asyncrl.objectives.cispo:loss",
 }
 
 

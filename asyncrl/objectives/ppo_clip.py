@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.objectives.common import LossInputs, masked_fraction
+from asyncrl.objectives.common import LossInputs, clip_metrics, clipped_surrogate, masked
 
 
 def loss(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    ratio = torch.exp(inp.logp - inp.behav)
-    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    per_token = -torch.minimum(ratio * inp.advantages, clipped * inp.advantages)
-    metrics = {
-        "clip_low": masked_fraction((ratio < 1 - cfg.eps_low) & (inp.advantages < 0), inp.mask),
-        "clip_high": masked_fraction((ratio > 1 + cfg.eps_high) & (inp.advantages > 0), inp.mask),
-    }
-    return per_token, metrics
+    ratio = torch.exp(masked(inp.logp - inp.behav, inp.mask))
+    per_token, low, high = clipped_surrogate(ratio, inp.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    return per_token, clip_metrics(low, high, inp.mask)

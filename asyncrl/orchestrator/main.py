@@ -19,6 +19,7 @@ from pathlib import Path
 from asyncrl import weights
 from asyncrl.config import Config, read_run_config
 from asyncrl.inference.client import InferenceClient
+from asyncrl.orchestrator.advantages import advantage_fn
 from asyncrl.orchestrator.rollout import rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.rewards.tasks import TaskSource
@@ -39,6 +40,7 @@ class Orchestrator:
         self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
         self.tasks = TaskSource(cfg.task)
         self.eval_tasks = TaskSource(cfg.task, seed=cfg.task.eval_seed)
+        self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
         self.served_version = 0
@@ -95,6 +97,8 @@ class Orchestrator:
         for e in events:
             self.events.write({**e, "time": time.monotonic() - self.start})
         if group:
+            for traj, adv in zip(group, self.advantages([t.reward for t in group])):
+                traj.advantages = [adv if m else 0.0 for m in traj.loss_mask]
             self.ready.append(group)
         else:
             self.gate.release()

@@ -5,7 +5,6 @@ import asyncio
 import time
 
 from asyncrl.inference.client import InferenceClient
-from asyncrl.orchestrator.advantages import group_advantages
 from asyncrl.rewards.tasks import TaskSource
 from asyncrl.trajectory import Trajectory
 
@@ -24,7 +23,7 @@ async def score(tasks: TaskSource, text: str, entry: dict, timeout: float) -> tu
 
 
 async def rollout_group(client: InferenceClient, tasks: TaskSource, tokenizer, index: int, cfg) -> tuple[list[Trajectory], list[dict]]:
-    """(scored trajectories with advantages, events for samples that could not be scored)."""
+    """(scored trajectories, events for samples that could not be scored); advantages are the caller's."""
     ro = cfg.rollout
     entry = tasks.item(index)
     prompt = tokenizer(tasks.prompt(entry))["input_ids"]
@@ -49,7 +48,4 @@ async def rollout_group(client: InferenceClient, tasks: TaskSource, tokenizer, i
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
                   "answer": entry["answer"], "generate_seconds": generated - started},
         ))
-    if scored:
-        for traj, adv in zip(scored, group_advantages([t.reward for t in scored], ro.advantage)):
-            traj.advantages = [0.0 if m == 0 else adv for m in traj.loss_mask]
     return scored, events

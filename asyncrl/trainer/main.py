@@ -5,6 +5,7 @@ weights and checkpoints out.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -60,6 +61,9 @@ def main(run_dir: str) -> None:
     torch.manual_seed(cfg.run.seed)
     model, tokenizer = load_policy(cfg.model.path)
     model.train()
+    ref_model = None
+    if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, betas=cfg.trainer.betas, weight_decay=cfg.trainer.weight_decay
     )
@@ -73,7 +77,7 @@ def main(run_dir: str) -> None:
         path = wait_for_batch(run_dir, step, cfg.timeouts.batch)
         trajs = read_batch(path)
         t1 = time.monotonic()
-        metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id)
+        metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model)
         metrics["lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         t2 = time.monotonic()

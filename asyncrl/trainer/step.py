@@ -30,7 +30,10 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
         attention[row, : len(t.tokens)] = 1
     versions = pad("versions", -1, torch.long)[:, 1:]
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
+    group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
     return {
+        "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        "groups": torch.tensor([group_ids[t.group_id] for t in trajs], dtype=torch.long),
         "tokens": tokens,
         "attention": attention,
         "targets": tokens[:, 1:],
@@ -41,12 +44,41 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
     }
 
 
-def token_logprobs(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π(target) per position, entropy per position); temperature as the engine sampled."""
+def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False):
+    """(log π(target) per position, entropy per position); temperature as the engine sampled.
+
+    The entropy keeps its graph only when a bonus needs its gradient (it costs a [B, T, V] term).
+    """
     logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1).detach()
+    source = logprobs if entropy_grad else logprobs.detach()
+    entropy = -(source.exp() * source).sum(-1)
     return logprobs.gather(-1, batch["targets"][..., None]).squeeze(-1), entropy
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights w with loss = Σ w_t · loss_t over the whole batch (ALGORITHMS.md).
+
+    token_mean: 1/N;  seq_mean: 1/(B·|τ_i|);  constant: 1/(B·L_max), L_max the longest row.
+    """
+    rows = mask.shape[0]
+    if mode == "token_mean":
+        return mask / mask.sum().clamp(min=1)
+    if mode == "seq_mean":
+        return mask / (rows * mask.sum(-1, keepdim=True).clamp(min=1))
+    if mode == "constant":
+        return mask / (rows * max(1.0, float(mask.sum(-1).max())))
+    raise ValueError(f"objective.loss_agg {mode!r} is not one of token_mean, seq_mean, constant")
+
+
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman's k1, k2, k3)."""
+    log_ratio = ref - logp  # log π_ref/π_θ
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def loglinear_prox(behav: torch.Tensor, logp: torch.Tensor, staleness: torch.Tensor) -> torch.Tensor:
@@ -63,11 +95,13 @@ def _rows(batch: dict, rows: slice) -> dict:
     return {k: v[rows] for k, v in batch.items()}
 
 
-def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int) -> dict:
+def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
+               ref_model=None) -> dict:
     """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics."""
     batch = collate(trajs, pad_id, version)
-    total_tokens = batch["mask"].sum().clamp(min=1)
+    batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
+    obj = cfg.objective
     recompute = cfg.objective.prox == "recompute" and cfg.trainer.minibatches > 1
     if recompute:  # with a single minibatch the current weights are the proximal policy already
         with torch.no_grad():
@@ -80,16 +114,25 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
         if hi <= lo:
             continue
         mb = _rows(batch, slice(lo, hi))
-        logp, entropy = token_logprobs(model, mb, temperature)
+        logp, entropy = token_logprobs(model, mb, temperature, entropy_grad=obj.entropy_coef > 0)
         if "prox" in mb:
             prox = mb["prox"]
-        elif cfg.objective.prox == "loglinear":
+        elif obj.prox == "loglinear":
             prox = loglinear_prox(mb["behav"], logp, mb["staleness"])
         else:
             prox = logp.detach()
-        inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"])
-        per_token, obj_metrics = objective(inp, cfg.objective)
-        loss = (per_token * mb["mask"]).sum() / total_tokens
+        inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
+                         mb["rewards"], mb["groups"])
+        per_token, obj_metrics = objective(inp, obj)
+        if ref_model is not None and obj.kl_coef > 0:
+            with torch.no_grad():
+                ref = token_logprobs(ref_model, mb, temperature)[0]
+            kl = kl_penalty(logp, ref, obj.kl_estimator)
+            per_token = per_token + obj.kl_coef * kl
+            obj_metrics["kl_ref"] = float((kl.detach() * mb["mask"]).sum() / mb["mask"].sum().clamp(min=1))
+        if obj.entropy_coef > 0:
+            per_token = per_token - obj.entropy_coef * entropy
+        loss = torch.where(mb["mask"] > 0, per_token * mb["weights"], 0.0).sum()
         optimizer.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):  # keep the weights; the step is recorded as skipped
             skipped += 1
@@ -97,16 +140,26 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
             continue
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-        optimizer.step()
+        _step_with_lr_scale(optimizer, obj_metrics.get("lr_scale", 1.0))
         parts.append({"loss": float(loss), "grad_norm": float(grad_norm), **obj_metrics})
         logp_all.append(logp.detach())
-        entropy_all.append(entropy)
+        entropy_all.append(entropy.detach())
     metrics = _average(parts)
     metrics["loss"] = sum(p["loss"] for p in parts)  # parts are slices of one token mean
     metrics["skipped_nonfinite"] = skipped
     if logp_all:
         metrics.update(diagnostics(torch.cat(logp_all), torch.cat(entropy_all), batch))
     return metrics
+
+
+def _step_with_lr_scale(optimizer, scale: float) -> None:
+    """One optimizer step at lr · scale (an objective may ask, e.g. VCPO by effective sample size)."""
+    base = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] *= scale
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, base):
+        g["lr"] = lr
 
 
 def _average(parts: list[dict]) -> dict:
