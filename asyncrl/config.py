@@ -117,6 +117,8 @@ class TrainerConfig(Section):
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (one version)")
     checkpoint_every: int = Field(20, ge=1)
     keep_weight_versions: int = Field(4, ge=2)
+    # also publish a sparse patch per version: the elements whose inference.dtype value changed
+    publish_patches: bool = False
     # 0 = choose: both cores when roles alternate (max_staleness 0), one each when they overlap.
     threads: int = Field(0, ge=0)
 
@@ -125,8 +127,15 @@ class InferenceConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     threads: int = Field(0, ge=0)
-    max_batch_sequences: int = Field(512, ge=1)
+    max_batch_sequences: int = Field(512, ge=1, description="rows in the running batch")
+    max_batch_tokens: int = Field(2**18, ge=1, description="rows × longest row the KV cache may hold")
+    max_waiting_sequences: int = Field(100_000, ge=1, description="beyond this, requests get 429")
     max_prompt_tokens: int = Field(256, ge=1)
+    # what a weight update does to sequences mid-generation: interrupt (go on under the new
+    # weights: partial rollouts), abort (start them over), finish (drain them, then load)
+    update_policy: Literal["interrupt", "abort", "finish"] = "interrupt"
+    # the dtype the engine serves in; the trainer's patches compare values in this dtype
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class TimeoutConfig(Section):

@@ -1,8 +1,9 @@
 """The weights channel: versioned safetensors files in the run directory.
 
-Version v is `weights/v{v:06d}.safetensors`, followed by `v{v:06d}.json` (the trainer's step
-metrics and the weights' hash). The json is written last, so its presence means the version is
-complete. Version 0 is the initial model at `model.path`.
+Version v is `weights/v{v:06d}.safetensors` (full fp32 state), optionally
+`v{v:06d}.patch.safetensors` (the elements whose serving-dtype value changed since v−1), then
+`v{v:06d}.json` (the trainer's step metrics and hashes). The json is written last, so its
+presence means the version is complete. Version 0 is the initial model at `model.path`.
 """
 from __future__ import annotations
 
@@ -76,3 +77,50 @@ def prune(run_dir: str | Path, newest: int, keep: int) -> None:
     """Drop weight files older than the last `keep` versions (markers stay: they hold metrics)."""
     for version in range(max(1, newest - keep - 8), newest - keep + 1):
         weights_file(run_dir, version).unlink(missing_ok=True)
+        patch_file(run_dir, version).unlink(missing_ok=True)
+
+
+# --- sparse patches (PULSE): only the elements whose serving-dtype value changed -------------
+
+def patch_file(run_dir: str | Path, version: int) -> Path:
+    return weights_dir(run_dir) / f"v{version:06d}.patch.safetensors"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern, so that equality is exact (nan, −0.0) and not numeric."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(dtype, copy=True).contiguous() for k, v in state.items()}  # never an alias
+
+
+def make_patch(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict, int, int]:
+    """(patch, changed elements, total elements): for each tensor the flat indices where `new`
+    differs bitwise from `served` (same dtype) and the new values there."""
+    patch, changed, total = {}, 0, 0
+    for name, tensor in new.items():
+        idx = (_bits(served[name]) != _bits(tensor)).flatten().nonzero().squeeze(1)
+        total += tensor.numel()
+        if idx.numel():
+            patch[f"{name}::idx"] = idx
+            patch[f"{name}::val"] = tensor.flatten()[idx]
+            changed += idx.numel()
+    return patch, changed, total
+
+
+def apply_patch(state: dict[str, torch.Tensor], patch: dict[str, torch.Tensor]) -> None:
+    """Write a patch into `state` in place (the tensors must be contiguous)."""
+    for key, idx in patch.items():
+        if key.endswith("::idx"):
+            name = key[: -len("::idx")]
+            state[name].view(-1)[idx] = patch[f"{name}::val"].to(state[name].dtype)
+
+
+def save_patch(run_dir: str | Path, version: int, patch: dict[str, torch.Tensor]) -> Path:
+    path = patch_file(run_dir, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(patch, str(tmp))
+    os.replace(tmp, path)
+    return path

@@ -1,15 +1,15 @@
 """The engine's tokens and logprobs against plain full-sequence forward passes."""
 import torch
 
-from asyncrl.inference.engine import Engine, SamplingParams
+from asyncrl.inference.engine import Engine, SamplingParams, Sequence, sample_rows
 from asyncrl.model import build_char_tokenizer, build_tiny_model
 
 TOK = build_char_tokenizer()
 
 
-def engine(seed=0):
+def engine(seed=0, **kw):
     torch.manual_seed(0)
-    return Engine(build_tiny_model(TOK, hidden_size=32, layers=2, heads=2), TOK.pad_token_id, TOK.eos_token_id, seed)
+    return Engine(build_tiny_model(TOK, hidden_size=32, layers=2, heads=2), TOK.pad_token_id, TOK.eos_token_id, seed, **kw)
 
 
 def full_logprobs(model, prompt, completion, temperature=1.0):
@@ -48,18 +48,107 @@ def test_stop_tokens_end_a_sample_and_are_kept():
     assert sample.token_ids == first.token_ids[: first.token_ids.index(stop) + 1]
 
 
-def test_top_p_samples_only_from_the_nucleus():
-    e = engine(seed=3)
-    logits = torch.tensor([[3.0, 2.9, -5.0, -5.0]])
-    from asyncrl.inference.engine import _sample
-
-    seen = {int(_sample(logits, SamplingParams(top_p=0.5), e.generator)[0]) for _ in range(50)}
-    assert seen <= {0, 1} and 0 in seen
+def test_top_p_and_temperature_per_row():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.tensor([[3.0, 2.9, -5.0, -5.0]] * 2)
+    seen = [set(), set()]
+    for _ in range(60):
+        tokens, _ = sample_rows(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.5, 1.0]), gen)
+        seen[0].add(int(tokens[0]))
+        seen[1].add(int(tokens[1]))
+    assert seen[0] == {0}  # the nucleus of 0.5 holds only the top token
+    assert seen[1] == {0}  # greedy row
 
 
 def test_version_tags_follow_loaded_weights():
     e = engine()
     state = {k: v + 0.01 for k, v in e.model.state_dict().items()}
-    e.load_state(state, version=7)
+    e.reload(state, version=7)
     sample = e.generate([PROMPTS[0]], SamplingParams(max_tokens=3))[0]
     assert sample.versions == [7] * len(sample.token_ids)
+
+
+def test_requests_joining_mid_generation_match_one_at_a_time():
+    """Continuous batching: rows join and leave at token boundaries; greedy tokens and logprobs
+    equal those of each prompt generated alone."""
+    e = engine()
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (9, 3, 6, 12)]
+    alone = [e.generate([p], q)[0] for p, q in zip(PROMPTS, params)]
+    seqs = [Sequence(p, q) for p, q in zip(PROMPTS, params)]
+    e.add(seqs[:2])
+    e.step()
+    e.step()
+    e.add(seqs[2:3])  # joins a running batch whose rows are already 2 tokens in
+    e.step()
+    e.add(seqs[3:])
+    while e.has_work():
+        e.step()
+    for seq, ref in zip(seqs, alone):
+        assert seq.sample.token_ids == ref.token_ids
+        assert torch.allclose(torch.tensor(seq.sample.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
+
+
+def test_samples_of_one_prompt_share_its_prefill():
+    e = engine()
+    samples = e.generate([PROMPTS[0]] * 5, SamplingParams(max_tokens=6, temperature=0))
+    assert len({tuple(s.token_ids) for s in samples}) == 1
+
+
+def test_back_pressure_bounds_the_running_batch():
+    e = engine(max_sequences=2)
+    seqs = [Sequence(p, SamplingParams(max_tokens=4, temperature=1.0)) for p in PROMPTS + PROMPTS]
+    e.add(seqs)
+    peak = 0
+    while e.has_work():
+        e.step()
+        peak = max(peak, len(e.running))
+    assert peak == 2 and all(s.sample.finish_reason for s in seqs)
+
+
+def _perturbed(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+def test_interrupted_update_switches_versions_at_the_boundary():
+    """Partial rollout: tokens before the update carry version 0 and its logprobs, tokens after
+    carry version 1 and exactly version 1's logprobs given the whole prefix."""
+    e = engine()
+    old = {k: v.clone() for k, v in e.model.state_dict().items()}
+    new = _perturbed(e.model, 1)
+    seq = Sequence(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0))
+    e.add([seq])
+    for _ in range(3):
+        e.step()
+    e.reload(new, version=1, policy="interrupt")
+    while e.has_work():
+        e.step()
+    s = seq.sample
+    assert s.versions == [0, 0, 0] + [1] * (len(s.token_ids) - 3)
+    e.model.load_state_dict(old)
+    before = full_logprobs(e.model, PROMPTS[0], s.token_ids)[:3]
+    e.model.load_state_dict(new)
+    after = full_logprobs(e.model, PROMPTS[0], s.token_ids)[3:]
+    assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(before + after), atol=1e-4)
+
+
+def test_abort_policy_regenerates_under_the_new_version():
+    e = engine()
+    seq = Sequence(PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0))
+    e.add([seq])
+    e.step()
+    e.step()
+    e.reload(_perturbed(e.model, 2), version=1, policy="abort")
+    while e.has_work():
+        e.step()
+    assert set(seq.sample.versions) == {1} and e.tokens_discarded == 2
+    assert torch.allclose(torch.tensor(seq.sample.logprobs), torch.tensor(full_logprobs(e.model, PROMPTS[1], seq.sample.token_ids)), atol=1e-4)
+
+
+def test_abort_all_returns_partial_samples():
+    e = engine()
+    seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=1.0)) for p in PROMPTS]
+    e.add(seqs)
+    e.step()
+    assert e.abort_all() == 4
+    assert all(s.sample.finish_reason in ("abort", "stop") for s in seqs) and not e.has_work()

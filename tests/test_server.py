@@ -68,7 +68,7 @@ def test_updated_weights_equal_the_trainers(server):
 
     async def update_and_read(client):
         before = await client.version(with_hash=True)
-        await client.update_weights(str(weights.weights_file(run_dir, 1)), 1, timeout=30)
+        await client.update_weights({"path": str(weights.weights_file(run_dir, 1)), "version": 1, "hash": digest}, 30)
         return before, await client.version(with_hash=True)
 
     before, after = call(update_and_read, url)
@@ -114,3 +114,66 @@ def test_unreachable_server_fails_fast_with_its_name():
 
     with pytest.raises(InferenceError, match=f"inference server http://127.0.0.1:{port} unreachable"):
         asyncio.run(go())
+
+
+def test_patch_update_reproduces_the_trainers_weights(server):
+    url, run_dir, model_path = server
+    model, _ = load_policy(model_path)
+
+    async def current(client):
+        return await client.version(with_hash=True)
+
+    base_version = call(current, url)["version"]
+    # the server holds either version 0 (model_path) or 1 (the test above); rebuild that state
+    if base_version == 1:
+        model.load_state_dict(weights.load(weights.weights_file(run_dir, 1)), strict=False)
+    served = weights.cast_state(weights.model_state(model), torch.float32)
+    with torch.no_grad():
+        first = next(model.parameters())
+        first.view(-1)[:10] += 0.5  # a sparse change
+    new = weights.cast_state(weights.model_state(model), torch.float32)
+    patch, changed, total = weights.make_patch(served, new)
+    assert changed == 10
+    v = base_version + 1
+    weights.save_patch(run_dir, v, patch)
+    digest = weights.publish(run_dir, v, new, {})
+    body = {"path": str(weights.weights_file(run_dir, v)), "version": v, "hash": digest,
+            "patch": str(weights.patch_file(run_dir, v)), "base_version": base_version}
+
+    async def update(client):
+        out = await client.update_weights(body, 30)
+        return out, await client.version(with_hash=True)
+
+    out, after = call(update, url)
+    assert out["loaded_from"] == "patch" and after == {"version": v, "hash": digest}
+    # a patch for a version the server does not hold falls back to the full weights
+    weights.publish(run_dir, v + 1, new, {})
+    stale = {**body, "version": v + 1, "base_version": v - 5, "path": str(weights.weights_file(run_dir, v + 1))}
+    out, after = call(lambda c: _update_then_hash(c, stale), url)
+    assert out["loaded_from"] == "full" and after["hash"] == digest
+
+
+async def _update_then_hash(client, body):
+    out = await client.update_weights(body, 30)
+    return out, await client.version(with_hash=True)
+
+
+def test_pause_resume_abort(server):
+    url = server[0]
+
+    async def go(client):
+        await client._call("POST", "/pause", "pause")
+        pending = asyncio.create_task(client.complete([[1, 5, 6]], n=2, max_tokens=50, temperature=1.0))
+        await asyncio.sleep(0.3)
+        assert not pending.done()  # paused: nothing is generated
+        stats = await client.stats()
+        await client._call("POST", "/abort", "abort")
+        choices = await pending
+        await client._call("POST", "/resume", "resume")
+        after = await client.complete([[1, 5, 6]], n=1, max_tokens=3, temperature=1.0)
+        return stats, choices, after
+
+    stats, choices, after = call(go, url)
+    assert stats["waiting"] + stats["running"] >= 2
+    assert [c["finish_reason"] for c in choices] == ["abort", "abort"]
+    assert after[0]["finish_reason"] in ("stop", "length")

@@ -52,10 +52,9 @@ class InferenceClient:
                 "top_p": top_p, "stop_token_ids": stop_token_ids or []}
         return (await self._call("POST", "/v1/completions", "a completion request", json=body))["choices"]
 
-    async def update_weights(self, path: str, version: int, timeout: float) -> int:
-        body = {"path": path, "version": version}
-        out = await self._call("POST", "/update_weights", f"loading weights version {version}", timeout, json=body)
-        return out["version"]
+    async def update_weights(self, body: dict, timeout: float) -> dict:
+        """body: path, version, and optionally patch + base_version, hash, policy (see the server)."""
+        return await self._call("POST", "/update_weights", f"loading weights version {body['version']}", timeout, json=body)
 
     async def version(self, with_hash: bool = False) -> dict:
         return await self._call("GET", "/version" + ("?hash=1" if with_hash else ""), "a version query")

@@ -1,19 +1,28 @@
-"""The built-in generation engine: batched sampling from an HF causal LM with a KV cache.
+"""The built-in generation engine: continuous batching over an HF causal LM with a KV cache.
 
-Prompts are left-padded into one batch; each step feeds only the newest token and reuses the
-cache. Finished rows leave the batch (and the cache) at once, so a few long completions do not
-make every row pay for them. Each sampled token comes with its logprob under the sampling
-distribution (logits / temperature, before top-p truncation) and the weight version that sampled it.
+Sequences join and leave the running batch at token boundaries: each `step()` admits waiting
+sequences (prefilling each distinct prompt once and sharing its KV rows among the G samples of
+that prompt), samples one token for every running row, retires the rows that finished, and feeds
+the new tokens through the model. Nothing waits for the longest sequence of a batch.
+
+Every sampled token carries its logprob under the sampling distribution (logits / temperature,
+before top-p truncation) and the version of the weights that sampled it. `reload()` swaps the
+weights at a token boundary: under "interrupt" the running rows' caches are recomputed under
+the new weights and generation goes on (partial rollouts); under "abort" they start over.
 """
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from asyncrl.inference import kv
 
-@dataclass
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -26,34 +35,19 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
+    finish_reason: str | None = None
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    on_done: Callable[["Sequence"], None] | None = None
+    sample: Sample = field(default_factory=Sample)
 
-
-def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, their logprobs) for one step of a batch of last-position logits."""
-    if params.temperature == 0:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        tokens = logprobs.argmax(dim=-1)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-    logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    probs = logprobs.exp()
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.sample.token_ids
 
 
 def _cache_kwarg(model) -> str:
@@ -61,56 +55,174 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class Engine:
-    """Holds the policy and its version; generates for a batch of prompts at a time."""
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator):
+    """(tokens, logprobs) for one step, each row with its own temperature (0 = greedy) and top-p."""
+    greedy = temps == 0
+    logprobs = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    probs = logprobs.exp()
+    if bool((top_ps < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_ps[:, None]
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
+    tokens = torch.where(greedy, logprobs.argmax(-1), torch.multinomial(probs, 1, generator=gen).squeeze(1))
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
-    def __init__(self, model, pad_token_id: int, eos_token_id: int | None, seed: int = 0):
+
+class Engine:
+    """Running batch state, advanced one token per `step()`. Not thread-safe: one thread drives it."""
+
+    def __init__(self, model, pad_token_id: int, eos_token_id: int | None, seed: int = 0,
+                 max_sequences: int = 512, max_tokens: int = 2**18):
         self.model = model.eval()
-        self.pad_id = pad_token_id
-        self.eos_id = eos_token_id
+        self.pad_id, self.eos_id = pad_token_id, eos_token_id
+        self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.version = 0
         self.generator = torch.Generator().manual_seed(seed)
+        self.cache_arg = _cache_kwarg(model)
+        self.waiting: deque[Sequence] = deque()
+        self.admitting = True  # False while draining for a "finish" weight update
         self.tokens_generated = 0
-        self._cache_arg = _cache_kwarg(model)
+        self.tokens_discarded = 0  # sampled, then thrown away by an "abort" reload
+        self._clear()
+
+    def _clear(self) -> None:
+        self.running: list[Sequence] = []
+        self.cache = None  # the DynamicCache of the running rows; rebuilt only when rows change
+        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.positions = torch.zeros(0, dtype=torch.long)  # position id of each row's next token
+        self.logits = torch.zeros(0)
+        self.temps = torch.zeros(0)
+        self.top_ps = torch.zeros(0)
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> None:
+        self.waiting.extend(seqs)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or (self.admitting and bool(self.waiting))
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
-        stops = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
-        samples = [Sample() for _ in prompts]
-        ids, mask = _left_pad(prompts, self.pad_id)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        live = torch.arange(len(prompts))  # which sample each batch row belongs to
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = out[self._cache_arg], out.logits[:, -1]
-        next_pos = positions[:, -1]
-        for step in range(params.max_tokens):
-            tokens, logprobs = _sample(logits, params, self.generator)
-            keep = []
-            for row, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-                sample = samples[live[row]]
-                sample.token_ids.append(tok)
-                sample.logprobs.append(lp)
-                sample.versions.append(self.version)
-                if tok in stops:
-                    sample.finish_reason = "stop"
-                else:
-                    keep.append(row)
-            self.tokens_generated += len(tokens)
-            if not keep or step == params.max_tokens - 1:
-                break
-            if len(keep) < len(live):  # finished rows leave the batch and the cache
-                rows = torch.tensor(keep)
-                cache.batch_select_indices(rows)
-                live, tokens, mask, next_pos = live[rows], tokens[rows], mask[rows], next_pos[rows]
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
-            next_pos = next_pos + 1
-            out = self.model(
-                input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                use_cache=True, **{self._cache_arg: cache},
-            )
-            cache, logits = out[self._cache_arg], out.logits[:, -1]
-        return samples
+        """Run `prompts` to completion (with whatever else is queued) and return their samples."""
+        seqs = [Sequence(p, params) for p in prompts]
+        self.add(seqs)
+        while any(s.sample.finish_reason is None for s in seqs):
+            self.step()
+        return [s.sample for s in seqs]
 
-    def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state, strict=False)
+    # --- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        if self.admitting:
+            self._admit()
+        if not self.running:
+            return
+        tokens, logprobs = sample_rows(self.logits, self.temps, self.top_ps, self.generator)
+        keep = []
+        for row, (seq, tok, lp) in enumerate(zip(self.running, tokens.tolist(), logprobs.tolist())):
+            s = seq.sample
+            s.token_ids.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self.version)
+            if tok == self.eos_id or tok in seq.params.stop_token_ids:
+                self._finish(seq, "stop")
+            elif len(s.token_ids) >= seq.params.max_tokens:
+                self._finish(seq, "length")
+            else:
+                keep.append(row)
+        self.tokens_generated += len(self.running)
+        if len(keep) < len(self.running):
+            self._keep_rows(torch.tensor(keep, dtype=torch.long))
+            tokens = tokens[keep]
+        if self.running:
+            self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.running), 1))], dim=1)
+            self._forward(tokens[:, None], self.positions[:, None])
+            self.positions = self.positions + 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.sample.finish_reason = reason
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                         use_cache=True, **{self.cache_arg: self.cache})
+        self.cache, self.logits = out[self.cache_arg], out.logits[:, -1]
+
+    def _keep_rows(self, rows: torch.Tensor) -> None:
+        self.running = [self.running[i] for i in rows.tolist()]
+        if not self.running:
+            self._clear()
+            return
+        layers, self.mask = kv.select(kv.tensors(self.cache), self.mask, rows)
+        self.cache = kv.build(layers, self.model.config)
+        self.positions, self.logits = self.positions[rows], self.logits[rows]
+        self.temps, self.top_ps = self.temps[rows], self.top_ps[rows]
+
+    # --- admission and prefill ---------------------------------------------------------------
+    def _admit(self) -> None:
+        batch: list[Sequence] = []
+        width = self.mask.shape[1]
+        while self.waiting and len(self.running) + len(batch) < self.max_sequences:
+            seq = self.waiting[0]
+            width = max(width, len(seq.prompt) + seq.params.max_tokens)
+            if (len(self.running) + len(batch) + 1) * width > self.max_tokens and (self.running or batch):
+                break  # back-pressure: the cache would outgrow its token budget
+            batch.append(self.waiting.popleft())
+        if batch:
+            self._prefill(batch, [s.prompt for s in batch])
+
+    def _prefill(self, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
+        """Run each distinct token list once and give its KV rows to every sequence that has it."""
+        distinct = list(dict.fromkeys(map(tuple, token_lists)))
+        index = {t: i for i, t in enumerate(distinct)}
+        width = max(len(t) for t in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, toks in enumerate(distinct):
+            ids[row, width - len(toks):] = torch.tensor(toks)
+            mask[row, width - len(toks):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long)
+        layers, mask = kv.select(kv.tensors(out[self.cache_arg]), mask, rows)
+        logits, positions = out.logits[:, -1][rows], positions[:, -1][rows] + 1
+        temps = torch.tensor([s.params.temperature for s in seqs])
+        top_ps = torch.tensor([s.params.top_p for s in seqs])
+        if self.running:
+            layers, mask = kv.concat(kv.tensors(self.cache), self.mask, layers, mask)
+            logits, positions = torch.cat([self.logits, logits]), torch.cat([self.positions, positions])
+            temps, top_ps = torch.cat([self.temps, temps]), torch.cat([self.top_ps, top_ps])
+        self.running = self.running + seqs
+        self.cache = kv.build(layers, self.model.config)
+        self.mask, self.logits, self.positions = mask, logits, positions
+        self.temps, self.top_ps = temps, top_ps
+
+    # --- weights and admin -------------------------------------------------------------------
+    @torch.inference_mode()
+    def reload(self, state: dict[str, torch.Tensor] | None, version: int, policy: str = "interrupt") -> None:
+        """New weights at a token boundary (`state`, or None when the caller already wrote them
+        into the model). interrupt: running rows go on under them (their caches recomputed, so
+        later logprobs are exactly the new version's); abort: running rows start over from their
+        prompts. (A "finish" update is the caller's: stop admitting, drain, then reload.)"""
+        if state is not None:
+            self.model.load_state_dict(state, strict=False)
         self.version = version
+        running = self.running
+        if not running:
+            return
+        if policy == "abort":
+            for seq in running:
+                self.tokens_discarded += len(seq.sample.token_ids)
+                seq.sample = Sample()
+        self._clear()
+        self._prefill(running, [s.tokens for s in running])
+
+    def abort_all(self) -> int:
+        """Finish every running and waiting sequence now with finish_reason "abort"."""
+        seqs = self.running + list(self.waiting)
+        self.waiting.clear()
+        self._clear()
+        for seq in seqs:
+            self._finish(seq, "abort")
+        return len(seqs)

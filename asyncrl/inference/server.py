@@ -4,11 +4,13 @@
     GET  /health           200 once the model is loaded
     GET  /version          {"version": v}; with ?hash=1 also the sha256 of the served weights
     POST /update_weights   {"path": ..., "version": v}: load a safetensors file as version v
-    GET  /stats            tokens generated, seconds busy, seconds up
+    GET  /stats            tokens generated, seconds busy, seconds up, rows running and waiting
+    POST /pause, /resume   stop and restart stepping (requests keep queueing)
+    POST /abort            end every running and waiting request now (finish_reason "abort")
 
-One worker thread owns the engine. Requests queue up; the worker takes every waiting request
-with the same sampling settings into one batch. A weight update waits for the batch in flight,
-then loads, so every token of a batch carries one version.
+One worker thread owns the engine and runs it with continuous batching; requests join the
+running batch at the next token boundary. A weight update lands at a token boundary too
+(`policy`: interrupt, abort or finish; default inference.update_policy).
 
 Run as `python -m asyncrl.inference.server RUN_DIR`; it writes RUN_DIR/inference.json with its URL.
 """
@@ -22,7 +24,6 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,102 +31,139 @@ from aiohttp import web
 
 from asyncrl import weights
 from asyncrl.config import read_run_config
-from asyncrl.inference.engine import Engine, SamplingParams
+from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.model import load_policy
 
 
-@dataclass
-class _Job:
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    prompts: list[list[int]] | None = None  # a generation job
-    params: SamplingParams | None = None
-    weights_path: str | None = None  # or a weight-update job
-    version: int = 0
-
-
 class Worker:
-    """The thread that runs the engine, one job (batch or weight load) at a time."""
+    """The thread that owns the engine: applies commands between steps, steps while there is work.
 
-    def __init__(self, engine: Engine, max_sequences: int):
-        self.engine = engine
-        self.max_sequences = max_sequences
-        self.jobs: queue.Queue[_Job] = queue.Queue()
+    Commands arrive on a queue from the HTTP handlers and are answered through futures on the
+    event loop. A "finish" weight update stops admission, lets the running rows finish, then
+    loads; "interrupt" and "abort" load at the next token boundary.
+    """
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str):
+        self.engine, self.loop, self.update_policy = engine, loop, update_policy
+        self.commands: queue.Queue = queue.Queue()
+        self.paused = False
+        self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
         self.busy_seconds = 0.0
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
 
-    def submit(self, job: _Job) -> asyncio.Future:
-        self.jobs.put(job)
-        return job.future
+    # called on the event loop
+    def call(self, name: str, *args) -> asyncio.Future:
+        future = self.loop.create_future()
+        self.commands.put((name, args, future))
+        return future
 
-    def _next_batch(self, first: _Job) -> tuple[list[_Job], list[_Job]]:
-        """`first` plus every queued generation job with the same params; the rest go back."""
-        batch, rest, size = [first], [], len(first.prompts)
+    def waiting(self) -> int:
+        return len(self.engine.waiting) + self.commands.qsize()
+
+    # the engine thread
+    def _run(self) -> None:
+        while True:
+            idle = self.paused or not self.engine.has_work()
+            self._apply_commands(block=idle and self.pending_update is None)
+            if self.pending_update and not self.engine.running:
+                load, future = self.pending_update
+                self.pending_update = None
+                self.engine.admitting = True
+                try:
+                    self._resolve(future, load())
+                except Exception as e:
+                    self._resolve(future, exc=e)
+            if not self.paused and self.engine.has_work():
+                start = time.monotonic()
+                try:
+                    self.engine.step()
+                except Exception as e:  # fail the requests in flight, keep serving
+                    print(f"inference: engine step failed: {type(e).__name__}: {e}", flush=True)
+                    self.engine.abort_all()
+                self.busy_seconds += time.monotonic() - start
+
+    def _apply_commands(self, block: bool) -> None:
         while True:
             try:
-                job = self.jobs.get_nowait()
+                name, args, future = self.commands.get(block=block, timeout=None)
             except queue.Empty:
-                return batch, rest
-            if job.prompts is not None and job.params == first.params and size + len(job.prompts) <= self.max_sequences:
-                batch.append(job)
-                size += len(job.prompts)
-            else:
-                rest.append(job)
+                return
+            block = False
+            try:
+                getattr(self, f"_cmd_{name}")(future, *args)
+            except Exception as e:
+                self._resolve(future, exc=e)
 
-    def _run(self) -> None:
-        pending: list[_Job] = []
-        while True:
-            job = pending.pop(0) if pending else self.jobs.get()
-            start = time.monotonic()
-            if job.weights_path is not None:
-                self._finish([job], lambda: self._load(job))
-            else:
-                batch, rest = self._next_batch(job)
-                pending = rest + pending
-                self._finish(batch, lambda: self._generate(batch))
-            self.busy_seconds += time.monotonic() - start
+    def _resolve(self, future: asyncio.Future, value=None, exc: Exception | None = None) -> None:
+        def settle():
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(value)
+        self.loop.call_soon_threadsafe(settle)
 
-    def _load(self, job: _Job) -> list[dict]:
-        self.engine.load_state(weights.load(job.weights_path), job.version)
-        return [{"version": job.version}]
+    def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams) -> None:
+        left = [len(prompts)]
+        seqs: list[Sequence] = []
 
-    def _generate(self, batch: list[_Job]) -> list:
-        prompts = [p for job in batch for p in job.prompts]
-        samples = self.engine.generate(prompts, batch[0].params)
-        out, i = [], 0
-        for job in batch:
-            out.append(samples[i : i + len(job.prompts)])
-            i += len(job.prompts)
-        return out
+        def done(_seq: Sequence) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._resolve(future, [s.sample for s in seqs])
 
-    @staticmethod
-    def _finish(jobs: list[_Job], work) -> None:
-        try:
-            results = work()
-        except Exception as e:  # the error goes to the callers; the worker lives on
-            for job in jobs:
-                job.loop.call_soon_threadsafe(_set_exception, job.future, e)
-            return
-        for job, result in zip(jobs, results):
-            job.loop.call_soon_threadsafe(_set_result, job.future, result)
+        seqs.extend(Sequence(p, params, done) for p in prompts)
+        self.engine.add(seqs)
+
+    def _cmd_update(self, future, body: dict) -> None:
+        policy = body.get("policy") or self.update_policy
+
+        def load() -> dict:  # runs at the token boundary where the new weights take over
+            how = self._write_weights(body)
+            self.engine.reload(None, body["version"], policy)
+            return {"version": body["version"], "loaded_from": how}
+
+        if policy == "finish" and self.engine.running:
+            self.engine.admitting = False
+            self.pending_update = (load, future)
+        else:
+            self._resolve(future, load())
+
+    def _write_weights(self, body: dict) -> str:
+        """Apply the patch if it fits the weights held now and reproduces the trainer's hash;
+        otherwise load the full file. Returns which one was used."""
+        model = self.engine.model
+        expected = body.get("hash")
+        with torch.no_grad():
+            if body.get("patch") and body.get("base_version") == self.engine.version:
+                live = weights.model_state(model)
+                weights.apply_patch(live, weights.load(body["patch"]))
+                if expected is None or weights.state_hash(live) == expected:
+                    return "patch"
+                print(f"inference: patch for version {body['version']} gave the wrong hash; loading the full weights", flush=True)
+            model.load_state_dict(weights.load(body["path"]), strict=False)
+        if expected is not None and weights.state_hash(weights.model_state(model)) != expected:
+            raise ValueError(f"weights of version {body['version']} from {body['path']} do not match the trainer's hash")
+        return "full"
+
+    def _cmd_pause(self, future) -> None:
+        self.paused = True
+        self._resolve(future, {"paused": True})
+
+    def _cmd_resume(self, future) -> None:
+        self.paused = False
+        self._resolve(future, {"paused": False})
+
+    def _cmd_abort(self, future) -> None:
+        self._resolve(future, {"aborted": self.engine.abort_all()})
 
 
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: Exception) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+UPDATE_POLICIES = ("interrupt", "abort", "finish")
 
 
 class BadRequest(ValueError):
     pass
 
 
-def parse_completion_request(body: dict, vocab_size: int, max_prompt_tokens: int, eos_id: int | None):
+def parse_completion_request(body: dict, vocab_size: int, max_prompt_tokens: int):
     """(prompts repeated n times, SamplingParams, n) from an OpenAI-style completions body."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -154,18 +192,25 @@ def parse_completion_request(body: dict, vocab_size: int, max_prompt_tokens: int
     return [p for p in prompts for _ in range(n)], params, n
 
 
-def make_app(worker: Worker, tokenizer, model_name: str, max_prompt_tokens: int, load_timeout: float) -> web.Application:
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+
+def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application:
     engine = worker.engine
     vocab = engine.model.get_input_embeddings().num_embeddings
+    max_prompt_tokens, load_timeout = cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load
 
     async def completions(request: web.Request) -> web.Response:
         try:
             body = await request.json()
-            prompts, params, n = parse_completion_request(body, vocab, max_prompt_tokens, engine.eos_id)
+            prompts, params, n = parse_completion_request(body, vocab, max_prompt_tokens)
         except (BadRequest, json.JSONDecodeError) as e:
-            return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=400)
-        loop = asyncio.get_running_loop()
-        samples = await worker.submit(_Job(loop.create_future(), loop, prompts=prompts, params=params))
+            return _error(400, str(e))
+        if worker.waiting() + len(prompts) > cfg.inference.max_waiting_sequences:
+            return _error(429, f"{worker.waiting()} sequences are already waiting "
+                               f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later")
+        samples = await worker.call("generate", prompts, params)
         choices = [
             {
                 "index": i,
@@ -186,19 +231,22 @@ def make_app(worker: Worker, tokenizer, model_name: str, max_prompt_tokens: int,
         })
 
     async def update_weights(request: web.Request) -> web.Response:
+        """{"path": full safetensors, "version": v, optional "patch" + "base_version" (a sparse
+        patch onto the version held now), "hash" (sha256 the result must have), "policy"}."""
         body = await request.json()
-        path, version = body.get("path"), body.get("version")
+        path, version, policy = body.get("path"), body.get("version"), body.get("policy")
         if not isinstance(path, str) or not Path(path).is_file() or not isinstance(version, int):
-            return web.json_response({"error": {"message": f"need an existing 'path' and an int 'version', got {body}"}}, status=400)
-        loop = asyncio.get_running_loop()
-        fut = worker.submit(_Job(loop.create_future(), loop, weights_path=path, version=version))
+            return _error(400, f"need an existing 'path' and an int 'version', got {body}")
+        if policy not in (None, *UPDATE_POLICIES):
+            return _error(400, f"'policy' must be one of {', '.join(UPDATE_POLICIES)}, got {policy!r}")
+        fut = worker.call("update", body)
         try:
             await asyncio.wait_for(fut, load_timeout)
         except asyncio.TimeoutError:
             return web.json_response({"error": {"message": f"loading version {version} from {path} took over {load_timeout}s"}}, status=504)
         except Exception as e:
             return web.json_response({"error": {"message": f"loading version {version} from {path} failed: {e}"}}, status=500)
-        return web.json_response({"version": engine.version})
+        return web.json_response(fut.result())
 
     async def version(request: web.Request) -> web.Response:
         out = {"version": engine.version}
@@ -211,14 +259,21 @@ def make_app(worker: Worker, tokenizer, model_name: str, max_prompt_tokens: int,
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({
-            "tokens_generated": engine.tokens_generated, "busy_seconds": worker.busy_seconds,
-            "uptime_seconds": time.monotonic() - worker.started, "version": engine.version,
+            "tokens_generated": engine.tokens_generated, "tokens_discarded": engine.tokens_discarded,
+            "busy_seconds": worker.busy_seconds, "uptime_seconds": time.monotonic() - worker.started,
+            "version": engine.version, "running": len(engine.running), "waiting": worker.waiting(),
         })
+
+    def admin(name: str):
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response(await worker.call(name))
+        return handler
 
     app = web.Application(client_max_size=64 * 2**20)
     app.add_routes([
         web.post("/v1/completions", completions), web.post("/update_weights", update_weights),
         web.get("/version", version), web.get("/health", health), web.get("/stats", stats),
+        web.post("/pause", admin("pause")), web.post("/resume", admin("resume")), web.post("/abort", admin("abort")),
     ])
     return app
 
@@ -227,9 +282,11 @@ async def serve(run_dir: Path) -> None:
     cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.role_threads("inference"))
     model, tokenizer = load_policy(cfg.model.path)
-    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=cfg.run.seed)
-    worker = Worker(engine, cfg.inference.max_batch_sequences)
-    app = make_app(worker, tokenizer, cfg.model.path, cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load)
+    model = model.to(getattr(torch, cfg.inference.dtype))
+    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=cfg.run.seed,
+                    max_sequences=cfg.inference.max_batch_sequences, max_tokens=cfg.inference.max_batch_tokens)
+    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy)
+    app = make_app(worker, tokenizer, cfg.model.path, cfg)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.inference.host, cfg.inference.port)

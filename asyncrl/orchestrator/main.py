@@ -148,15 +148,21 @@ class Orchestrator:
         evals = [asyncio.create_task(self.evaluate())]
         for version in range(1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
-            await self.client.update_weights(
-                str(weights.weights_file(self.run_dir, version)), version, self.cfg.timeouts.weight_load
-            )
+            await self.client.update_weights(self._update_body(version, marker), self.cfg.timeouts.weight_load)
             self.served_version = version
             await self._notify()
             await self._record_step(version, marker)
             if version % self.cfg.task.eval_every == 0 or version == self.cfg.run.steps:
                 evals.append(asyncio.create_task(self.evaluate()))
         await asyncio.gather(*evals)
+
+    def _update_body(self, version: int, marker: dict) -> dict:
+        body = {"path": str(weights.weights_file(self.run_dir, version)), "version": version,
+                "hash": marker.get("serving_hash", marker["hash"])}
+        patch = weights.patch_file(self.run_dir, version)
+        if patch.exists():
+            body.update(patch=str(patch), base_version=version - 1)
+        return body
 
     async def _wait_for_version(self, version: int) -> dict:
         start = time.monotonic()
@@ -186,7 +192,7 @@ class Orchestrator:
             "trainer_idle_seconds": marker.pop("idle_seconds"),
             "orchestrator_cpu_seconds": time.process_time(),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
-            **{k: v for k, v in marker.items() if k not in ("step", "version", "hash")},
+            **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash")},
         }
         self.metrics.write(record)
 

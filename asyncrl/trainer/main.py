@@ -70,6 +70,8 @@ def main(run_dir: str) -> None:
     warmup = cfg.trainer.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
+    serving_dtype = getattr(torch, cfg.inference.dtype)
+    served = weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
     busy = idle = 0.0
     print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}", flush=True)
     for step in range(cfg.run.steps):
@@ -86,7 +88,14 @@ def main(run_dir: str) -> None:
             step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, busy_seconds=busy,
             idle_seconds=idle, train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
         )
-        weights.publish(run_dir, step + 1, weights.model_state(model), metrics)
+        state = weights.model_state(model)
+        if served is not None:  # the patch lands before the marker that announces the version
+            new = weights.cast_state(state, serving_dtype)
+            patch, changed, total = weights.make_patch(served, new)
+            weights.save_patch(run_dir, step + 1, patch)
+            served = new
+            metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
+        weights.publish(run_dir, step + 1, state, metrics)
         weights.prune(run_dir, step + 1, cfg.trainer.keep_weight_versions)
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler)
