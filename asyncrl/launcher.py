@@ -83,6 +83,28 @@ def start_role(role: str, run_dir: Path, threads: int) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def start_vllm(cfg: Config, run_dir: Path, threads: int) -> subprocess.Popen:
+    """vLLM's OpenAI server on loopback; its URL goes to inference.json at once (the
+    orchestrator waits for /health within timeouts.startup)."""
+    import socket
+
+    port = cfg.inference.port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((cfg.inference.host, 0))
+            port = s.getsockname()[1]
+    cmd = [cfg.inference.vllm_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
+           "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
+           "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               OMP_NUM_THREADS=str(threads))
+    log = open(run_dir / "logs" / "inference.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    (run_dir / "inference.json").write_text(json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
+    return proc
+
+
 def tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text().splitlines()[-lines:])
@@ -162,7 +184,10 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
     procs: dict[str, subprocess.Popen] = {}
     progress = Progress(run_dir, cfg.run.steps)
     try:
-        procs["inference"] = start_role("inference", run_dir, cfg.role_threads("inference"))
+        if cfg.inference.engine == "vllm":
+            procs["inference"] = start_vllm(cfg, run_dir, cfg.role_threads("inference"))
+        else:
+            procs["inference"] = start_role("inference", run_dir, cfg.role_threads("inference"))
         wait_for_inference(procs["inference"], run_dir, cfg.timeouts.startup)
         procs["trainer"] = start_role("trainer", run_dir, cfg.role_threads("trainer"))
         procs["orchestrator"] = start_role("orchestrator", run_dir, 1)

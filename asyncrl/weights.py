@@ -46,7 +46,7 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        state[name] = tensor.detach().contiguous()
+        state[name] = tensor.detach().cpu().contiguous()
     return state
 
 

@@ -29,7 +29,7 @@ def second_moment_keep(m2: torch.Tensor, mask: torch.Tensor, threshold: float) -
     ordered, order = values.sort(descending=True)
     # mean of what remains after masking the k largest, for k = 0 .. n−1
     remaining_sum = ordered.sum() - torch.cat([ordered.new_zeros(1), ordered.cumsum(0)[:-1]])
-    remaining_mean = remaining_sum / torch.arange(n, 0, -1, dtype=ordered.dtype)
+    remaining_mean = remaining_sum / torch.arange(n, 0, -1, dtype=ordered.dtype, device=ordered.device)
     below = (remaining_mean <= threshold).nonzero()
     k = int(below[0]) if below.numel() else n - 1  # never mask every token
     flat = keep[counted]

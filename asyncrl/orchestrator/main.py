@@ -187,6 +187,7 @@ class Orchestrator:
             **self.batch_stats.pop(version - 1, {}),
             "gen_tokens_per_s": (stats["tokens_generated"] - tok_prev) / max(now - t_prev, 1e-9),
             "inference_busy_seconds": stats["busy_seconds"],
+            "tokens_discarded": stats.get("tokens_discarded", 0),
             "inference_idle_seconds": stats["uptime_seconds"] - stats["busy_seconds"],
             "trainer_busy_seconds": marker.pop("busy_seconds"),
             "trainer_idle_seconds": marker.pop("idle_seconds"),
@@ -234,7 +235,13 @@ async def main(run_dir: Path) -> None:
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
     url = json.loads((run_dir / "inference.json").read_text())["url"]
-    async with InferenceClient(url, cfg.timeouts.http) as client:
+    if cfg.inference.engine == "vllm":
+        from asyncrl.inference.vllm_client import VLLMClient
+
+        client = VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
+    else:
+        client = InferenceClient(url, cfg.timeouts.http)
+    async with client:
         await client.wait_healthy(cfg.timeouts.startup)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         await Orchestrator(cfg, run_dir, client, tokenizer).run()

@@ -60,7 +60,7 @@ def main(run_dir: str) -> None:
     torch.set_num_threads(cfg.role_threads("trainer"))
     torch.manual_seed(cfg.run.seed)
     model, tokenizer = load_policy(cfg.model.path)
-    model.train()
+    model.to(cfg.trainer.device).train()
     ref_model = None
     if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)

@@ -98,7 +98,8 @@ def _rows(batch: dict, rows: slice) -> dict:
 def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
                ref_model=None) -> dict:
     """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics."""
-    batch = collate(trajs, pad_id, version)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version).items()}
     batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
     obj = cfg.objective
@@ -180,7 +181,7 @@ def diagnostics(logp: torch.Tensor, entropy: torch.Tensor, batch: dict) -> dict:
     # k3 estimate of KL(behaviour ‖ trainer) on tokens the trainer holds the same version of
     r_fresh = (logp - behav)[fresh].exp()
     mismatch = float((r_fresh - 1 - r_fresh.log()).mean()) if fresh.any() else math.nan
-    q = torch.quantile(ratios, torch.tensor([0.05, 0.5, 0.95])).tolist() if ratios.numel() else [math.nan] * 3
+    q = torch.quantile(ratios, ratios.new_tensor([0.05, 0.5, 0.95])).tolist() if ratios.numel() else [math.nan] * 3
     seq_stale = torch.where(counted, stale, -1).max(-1).values
     return {
         "entropy": float(entropy[counted].mean()) if counted.any() else math.nan,

@@ -1,0 +1,102 @@
+"""The same client surface over a vLLM OpenAI-compatible server (inference.engine = "vllm").
+
+vLLM takes token ids in and, with `return_token_ids` and `logprobs=0`, gives token ids and the
+sampled tokens' logprobs out (start it with `--logprobs-mode processed_logprobs` so they are
+those of the sampling distribution, as the built-in engine's are). It has no notion of policy
+versions, so this client keeps the version: a weight update pauses vLLM until the requests in
+flight finish (pause mode "wait"), reloads the weights from the version's directory through
+`/collective_rpc` (`reload_weights`; needs VLLM_SERVER_DEV_MODE=1, and is the path that works on
+vLLM's CPU build), and resumes; new requests wait for the update. Every token of a request is
+therefore sampled by the version current when the request started: the "finish" policy.
+Interrupting mid-request would need per-token versions, which vLLM does not report.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from asyncrl.inference.client import InferenceClient, InferenceError
+
+
+def version_dir(weights_path: str) -> str:
+    """vLLM reloads from a model directory: v000007.safetensors -> v000007/model.safetensors."""
+    path = Path(weights_path)
+    directory = path.with_suffix("")
+    directory.mkdir(exist_ok=True)
+    link = directory / "model.safetensors"
+    if not link.exists():
+        os.symlink(os.path.relpath(path, directory), link)
+    return str(directory)
+
+
+class VLLMClient(InferenceClient):
+    def __init__(self, url: str, timeout: float, model: str):
+        super().__init__(url, timeout)
+        self.model = model
+        self.current_version = 0
+        self.updating = asyncio.Event()
+        self.updating.set()  # set = no update in progress
+        self.tokens_generated = 0
+        self.in_flight = 0
+        self.busy_since: float | None = None
+        self.busy_seconds = 0.0
+        self.started = time.monotonic()
+
+    def _track(self, delta: int) -> None:
+        """Busy time = wall time with at least one request in flight (vLLM reports no such thing)."""
+        now = time.monotonic()
+        if self.in_flight and self.busy_since is not None:
+            self.busy_seconds += now - self.busy_since
+        self.in_flight += delta
+        self.busy_since = now
+
+    async def complete(self, prompts, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None) -> list[dict]:
+        await self.updating.wait()
+        version = self.current_version
+        body = {"model": self.model, "prompt": prompts, "n": n, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
+                "stop_token_ids": stop_token_ids or [], "skip_special_tokens": True}
+        self._track(+1)
+        try:
+            out = await self._call("POST", "/v1/completions", "a completion request", json=body)
+        finally:
+            self._track(-1)
+        choices = []
+        for i, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
+            ids = c.get("token_ids")
+            if ids is None:
+                raise InferenceError(f"vLLM at {self.url} returned no token_ids; it needs return_token_ids support (vLLM >= 0.10.2)")
+            choices.append({
+                "index": i, "text": c["text"], "token_ids": ids,
+                "logprobs": {"token_logprobs": c["logprobs"]["token_logprobs"]},
+                "versions": [version] * len(ids), "finish_reason": c["finish_reason"], "prompt_index": i // n,
+            })
+        self.tokens_generated += sum(len(c["token_ids"]) for c in choices)
+        return choices
+
+    async def update_weights(self, body: dict, timeout: float) -> dict:
+        version = body["version"]
+        self.updating.clear()
+        try:
+            await self._call("POST", "/pause?mode=wait", f"pausing before version {version}", timeout)
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": version_dir(body["path"])}}
+            await self._call("POST", "/collective_rpc", f"reloading weights version {version}", timeout, json=rpc)
+            await self._call("POST", "/resume", f"resuming after version {version}", timeout)
+            self.current_version = version
+        finally:
+            self.updating.set()
+        return {"version": version, "loaded_from": "full"}
+
+    async def version(self, with_hash: bool = False) -> dict:
+        return {"version": self.current_version}
+
+    async def stats(self) -> dict:
+        self._track(0)
+        return {"tokens_generated": self.tokens_generated, "busy_seconds": self.busy_seconds,
+                "uptime_seconds": time.monotonic() - self.started, "version": self.current_version}
+
+    async def _call(self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs) -> dict:
+        out = await super()._call(method, endpoint, what, timeout, **kwargs)
+        return out if out is not None else {}

