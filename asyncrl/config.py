@@ -248,8 +248,10 @@ def _merge(base: dict, extra: dict) -> dict:
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        if e["type"] == "extra_forbidden":
+        key = ".".join(str(p) for p in e["loc"])
+        if not key:  # a rule across sections; its message names the keys
+            lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden":
             section = e["loc"][:-1]
             allowed = _allowed_keys(section)
             lines.append(f"unknown key {key!r}; allowed here: {', '.join(allowed)}")

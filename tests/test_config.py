@@ -71,3 +71,13 @@ def test_example_recipes_load():
 
     for path in sorted((Path(__file__).parent.parent / "examples").glob("*.toml")):
         load_config(path)
+
+
+def test_rules_across_sections():
+    with pytest.raises(ConfigError, match="rollout.advantage = 'dr_grpo' and objective.loss_agg = 'constant'"):
+        load_config(overrides=["--objective.name", "dr_grpo"])
+    load_config(overrides=["--objective.name", "dr_grpo", "--rollout.advantage", "dr_grpo", "--objective.loss_agg", "constant"])
+    with pytest.raises(ConfigError, match="running_baseline"):
+        load_config(overrides=["--rollout.group_size", "1"])
+    with pytest.raises(ConfigError, match="update_policy = 'finish'"):
+        load_config(overrides=["--inference.engine", "vllm"])
