@@ -32,6 +32,9 @@ async def rollout_group(client: InferenceClient, tasks: TaskSource, tokenizer, i
     generated = time.monotonic()
     scored, events = [], []
     for k, choice in enumerate(choices):
+        if choice["finish_reason"] == "abort":  # cut short by /abort: not a sample of the policy
+            events.append({"event": "sample_dropped", "reason": "aborted", "prompt_id": index, "sample": k})
+            continue
         reward, error = await score(tasks, choice["text"], entry, cfg.timeouts.verifier)
         if error is not None:
             events.append({"event": "sample_dropped", "reason": "verifier_error", "error": error,
