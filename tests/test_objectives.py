@@ -160,7 +160,8 @@ def reference(name, logp, behav, prox, adv, mask, rewards, groups, cfg):
                 v = rho * clipped(r_p, a) if cfg.is_low <= rho <= cfg.is_high else 0.0
             elif name == "gspo":
                 s = math.exp(sum(logp[i][k] - prox[i][k] for k in counted(i)) / len(counted(i)))
-                v = -min(s * a, min(max(s, 1 - cfg.gspo_eps_low), 1 + cfg.gspo_eps_high) * a)
+                ws = min(math.exp(sum(prox[i][k] - behav[i][k] for k in counted(i)) / len(counted(i))), cfg.behav_weight_cap)
+                v = -ws * min(s * a, min(max(s, 1 - cfg.gspo_eps_low), 1 + cfg.gspo_eps_high) * a)
             elif name == "m2po":
                 v = 0.0 if (i, t) in dropped else w * clipped(r_p, a)
             elif name == "vcpo":
