@@ -80,12 +80,13 @@ def plot(results: dict, labels: list[str], etas: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label in labels:
+    colors = plt.get_cmap("tab20").colors
+    for k, label in enumerate(labels):
         means = []
         for eta in etas:
             runs = [v["final_accuracy"] for k, v in results.items() if k.startswith(f"{label}|{eta}|")]
             means.append(sum(runs) / len(runs) if runs else float("nan"))
-        ax.plot([str(e) for e in etas], means, "o-", label=label)
+        ax.plot([str(e) for e in etas], means, "o-" if k < 10 else "s--", color=colors[k % 20], label=label)
     start = [v["start_accuracy"] for v in results.values()]
     if start:
         ax.axhline(start[0], color="gray", ls="--", label="warm start")
