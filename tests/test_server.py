@@ -1,6 +1,5 @@
 """The inference server as a real process over real HTTP."""
 import asyncio
-import subprocess
 
 import pytest
 import torch
