@@ -48,6 +48,8 @@ class Worker:
         self.commands: queue.Queue = queue.Queue()
         self.paused = False
         self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
+        self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
+        self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
         self.busy_seconds = 0.0
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
@@ -55,11 +57,15 @@ class Worker:
     # called on the event loop
     def call(self, name: str, *args) -> asyncio.Future:
         future = self.loop.create_future()
+        if name == "generate":
+            with self.queued_lock:
+                self.queued_sequences += len(args[0])
         self.commands.put((name, args, future))
         return future
 
     def waiting(self) -> int:
-        return len(self.engine.waiting) + self.commands.qsize()
+        """Sequences not yet running: queued commands plus the engine's waiting list."""
+        return len(self.engine.waiting) + self.queued_sequences
 
     # the engine thread
     def _run(self) -> None:
@@ -112,6 +118,8 @@ class Worker:
 
         seqs.extend(Sequence(p, params, done) for p in prompts)
         self.engine.add(seqs)
+        with self.queued_lock:
+            self.queued_sequences -= len(prompts)
 
     def _cmd_update(self, future, body: dict) -> None:
         policy = body.get("policy") or self.update_policy

@@ -103,7 +103,7 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
     obj = cfg.objective
-    recompute = cfg.objective.prox == "recompute" and cfg.trainer.minibatches > 1
+    recompute = obj.prox == "recompute" and cfg.trainer.minibatches > 1
     if recompute:  # with a single minibatch the current weights are the proximal policy already
         with torch.no_grad():
             batch["prox"] = token_logprobs(model, batch, temperature)[0]
