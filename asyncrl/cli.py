@@ -1,40 +1,78 @@
-"""`asyncrl train [CONFIG.toml] [--section.key value ...]`, `asyncrl warmstart`, `asyncrl report RUN_DIR`."""
+"""asyncrl's command line.
+
+    asyncrl train [CONFIG.toml] [--section.key value ...]     a new run
+    asyncrl train --resume runs/NAME [--force] [--section.key value ...]
+                                                             continue a stopped run in its directory
+    asyncrl warmstart [CONFIG.toml] [--section.key value ...] build the tiny default policy
+    asyncrl report RUN_DIR                                   (re)write a run's plots and table
+    asyncrl export RUN_DIR OUT_DIR [--step N]                a checkpoint as a plain HF model directory
+"""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from asyncrl.config import ConfigError, load_config
 
 
+def _take(args: list[str], flag: str, has_value: bool) -> str | bool | None:
+    """Remove `flag` (and its value) from args; its value, True, or None when absent."""
+    for i, arg in enumerate(args):
+        if arg == flag:
+            del args[i]
+            return args.pop(i) if has_value and i < len(args) else (True if not has_value else None)
+        if has_value and arg.startswith(flag + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="run a training job: train [CONFIG.toml] [--section.key value ...]")
-    sub.add_parser("warmstart", help="build the default tiny policy: warmstart [CONFIG.toml] [--section.key value ...]")
-    p_report = sub.add_parser("report", help="(re)write the report of a run directory")
-    p_report.add_argument("run_dir")
-    argv = sys.argv[1:] if argv is None else argv
-    args, rest = parser.parse_known_args(argv[:1] + (argv[1:2] if argv[:1] == ["report"] else []))
-    rest = argv[2:] if args.command == "report" else argv[1:]
-    args.config = rest.pop(0) if rest and not rest[0].startswith("--") else None
-    overrides = rest
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = ("train", "warmstart", "report", "export")
+    if not args or args[0] not in commands or args[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    command, rest = args[0], args[1:]
     try:
-        if args.command == "report":
-            from asyncrl.report import write_report, table
+        if command == "report":
+            from asyncrl.report import table, write_report
 
-            print(table(write_report(args.run_dir)))
+            if not rest:
+                raise ConfigError("usage: asyncrl report RUN_DIR")
+            print(table(write_report(rest[0])))
             return 0
-        cfg = load_config(args.config, overrides)
-        if args.command == "warmstart":
-            from asyncrl.warmstart import warmstart
+        if command == "export":
+            from asyncrl.checkpoint import export
 
-            warmstart(cfg)
+            step = _take(rest, "--step", True)
+            if len(rest) != 2:
+                raise ConfigError("usage: asyncrl export RUN_DIR OUT_DIR [--step N]")
+            try:
+                out = export(rest[0], rest[1], int(step) if step is not None else None)
+            except ValueError as e:  # a corrupt checkpoint, or a --step that is not a number
+                raise ConfigError(str(e)) from None
+            print(f"exported to {out}")
             return 0
-        from asyncrl.launcher import RunError, train
+        resume_dir = _take(rest, "--resume", True) if command == "train" else None
+        force = bool(_take(rest, "--force", False))
+        config_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
+        from asyncrl.launcher import RunError, Stopped, resume, train
 
         try:
+            if resume_dir is not None:
+                resume(resume_dir, rest, force=force)
+                return 0
+            cfg = load_config(config_path, rest)
+            if command == "warmstart":
+                from asyncrl.warmstart import warmstart
+
+                warmstart(cfg)
+                return 0
             train(cfg)
+        except Stopped as e:
+            print(f"\nasyncrl: {e}; the run directory is intact: asyncrl train --resume <run dir> continues it",
+                  file=sys.stderr)
+            return 143
         except RunError as e:
             print(f"\nasyncrl: run failed: {e}", file=sys.stderr)
             return 1

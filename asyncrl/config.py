@@ -26,6 +26,8 @@ class RunConfig(Section):
     seed: int = 0
     steps: int = Field(200, ge=1, description="training steps (versions published)")
     overwrite: bool = False
+    # a role that dies (or stops beating) is restarted; past this many restarts the run stops
+    max_restarts: int = Field(3, ge=0, description="restarts allowed per role")
 
 
 class ModelConfig(Section):
@@ -47,12 +49,16 @@ class WarmstartConfig(Section):
 
 
 class TaskConfig(Section):
+    # a reasoning-gym dataset name, or "jsonl": rows {"prompt": str, "answer": str} from `path`
     name: str = "chain_sum"
+    path: str | None = None
+    eval_path: str | None = Field(None, description='held-out rows for name = "jsonl" (none: no evaluation)')
     params: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     # compact: "84-12=" from the task's expression; question: the dataset's full question text.
     prompt_format: Literal["compact", "question"] = "compact"
     # "module:function" taking (completion: str, entry: dict) -> float; default: the dataset's own.
     verifier: str | None = None
+    verifier_workers: int = Field(2, ge=1, description="processes that run the verifier (a hung one is killed)")
     seed: int = 1
     eval_size: int = Field(200, ge=0)
     eval_seed: int = 10_000
@@ -116,6 +122,7 @@ class TrainerConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (one version)")
     checkpoint_every: int = Field(20, ge=1)
+    keep_checkpoints: int = Field(3, ge=2, description="two at least: a corrupt newest falls back to the one before")
     keep_weight_versions: int = Field(4, ge=2)
     # also publish a sparse patch per version: the elements whose inference.dtype value changed
     publish_patches: bool = False
@@ -152,6 +159,8 @@ class TimeoutConfig(Section):
     train_step: float = Field(600.0, gt=0, description="orchestrator waiting for a new version")
     weight_load: float = Field(60.0, gt=0)
     verifier: float = Field(10.0, gt=0)
+    checkpoint: float = Field(600.0, gt=0, description="trainer writing one checkpoint in the background")
+    heartbeat: float = Field(300.0, gt=0, description="a role silent this long is restarted")
 
 
 class Config(Section):
@@ -185,6 +194,8 @@ class Config(Section):
                 f"inference.update_policy = {self.inference.update_policy!r} needs per-token versions, which vLLM "
                 "does not report; with inference.engine = 'vllm' use update_policy = 'finish'"
             )
+        if self.task.name == "jsonl" and not self.task.path:
+            raise ValueError("task.name = 'jsonl' needs task.path, a file of {\"prompt\": ..., \"answer\": ...} rows")
         if ro.group_size == 1 and ro.advantage != "running_baseline":
             raise ValueError(
                 f"rollout.group_size = 1 with rollout.advantage = {ro.advantage!r} gives every sample a zero "
@@ -235,11 +246,11 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_config(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "params":
-            out[key] = _merge(out[key], value)
+            out[key] = merge_config(out[key], value)
         else:
             out[key] = value
     return out
@@ -282,7 +293,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     if overrides:
         extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-        data = _merge(data, extra)
+        data = merge_config(data, extra)
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -291,6 +302,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
 
 def save_config(cfg: Config, path: Path) -> None:
     path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+
+
+# Keys that change how a run is executed but not what it computes: free to change on resume.
+RESUMABLE_KEYS = ("run.root", "run.name", "run.steps", "run.overwrite", "run.max_restarts", "timeouts.", "trainer.checkpoint_every",
+                  "trainer.keep_checkpoints", "trainer.keep_weight_versions", "trainer.threads", "trainer.device",
+                  "inference.host", "inference.port", "inference.threads", "inference.max_waiting_sequences",
+                  "inference.vllm_python", "task.eval_every", "model.warmstart_if_missing")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "params":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(changes that would alter the run's meaning, harmless ones), each as 'key: old -> new'."""
+    a, b = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    meaning, harmless = [], []
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            (harmless if key.startswith(RESUMABLE_KEYS) else meaning).append(line)
+    return meaning, harmless
 
 
 def read_run_config(run_dir: str | Path) -> Config:

@@ -1,8 +1,9 @@
-"""The local launcher: start the three roles as processes, watch them, show progress, report.
+"""The local launcher: start the three roles as processes, supervise them, show progress, report.
 
-Each role is `python -m <module> RUN_DIR` with its own thread count and log file. If a role
-dies, the others are stopped and the dead role's last log lines are shown; the run directory
-keeps everything written so far.
+Each role is `python -m <module> RUN_DIR` with its own thread count and log file. A role that
+dies or hangs is restarted and picks up from the run directory (the trainer from its last
+checkpoint, the orchestrator from the ledger); one that keeps dying stops the run with its last
+log lines. `resume` continues a stopped run from the same directory.
 """
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from asyncrl.config import Config, ConfigError, save_config
+from asyncrl import heartbeat
+from asyncrl.config import (Config, ConfigError, config_changes, load_config, merge_config, parse_overrides,
+                            read_run_config, save_config)
+from asyncrl.events import EventLog
 
 ROLES = {
     "inference": "asyncrl.inference.server",
@@ -75,20 +80,23 @@ def _check_hub_model(name: str) -> None:
         ) from None
 
 
-def start_role(role: str, run_dir: Path, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    log = open(run_dir / "logs" / f"{role}.log", "w")
+def _role_env(threads: int, **extra: str) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+
+
+def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess.Popen:
+    log = open(run_dir / "logs" / f"{role}.log", "a")  # a restarted role appends: its crash stays readable
     return subprocess.Popen([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=_role_env(threads, **env), start_new_session=True)
 
 
-def start_vllm(cfg: Config, run_dir: Path, threads: int) -> subprocess.Popen:
+def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subprocess.Popen:
     """vLLM's OpenAI server on loopback; its URL goes to inference.json at once (the
     orchestrator waits for /health within timeouts.startup)."""
     import socket
 
-    port = cfg.inference.port
+    port = cfg.inference.port or port
     if port == 0:
         with socket.socket() as s:
             s.bind((cfg.inference.host, 0))
@@ -99,7 +107,7 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int) -> subprocess.Popen:
            "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                OMP_NUM_THREADS=str(threads))
-    log = open(run_dir / "logs" / "inference.log", "w")
+    log = open(run_dir / "logs" / "inference.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     (run_dir / "inference.json").write_text(json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
     return proc
@@ -125,20 +133,99 @@ def stop(procs: dict[str, subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
-def _dead_role_error(role: str, proc: subprocess.Popen, run_dir: Path) -> RunError:
-    log = run_dir / "logs" / f"{role}.log"
-    return RunError(f"the {role} process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}")
-
-
 def wait_for_inference(proc: subprocess.Popen, run_dir: Path, deadline: float) -> None:
     start = time.monotonic()
     while not (run_dir / "inference.json").exists():
         if proc.poll() is not None:
-            raise _dead_role_error("inference", proc, run_dir)
+            log = run_dir / "logs" / "inference.log"
+            raise RunError(f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}")
         if time.monotonic() - start > deadline:
             raise RunError(f"the inference server did not start within {deadline:.0f}s (timeouts.startup); "
                            f"see {run_dir / 'logs' / 'inference.log'}")
         time.sleep(0.05)
+
+
+class Supervisor:
+    """Starts the roles and keeps them alive: a role that exits with an error, or stops beating
+    for timeouts.heartbeat, is restarted (each role resumes from the run directory on its own);
+    past run.max_restarts restarts of one role the run stops with that role's last log lines."""
+
+    def __init__(self, cfg: Config, run_dir: Path, log=print):
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = {role: 0 for role in ROLES}
+        self.started: dict[str, float] = {}
+        self.events = EventLog(run_dir, "supervisor")
+
+    def start(self, role: str) -> None:
+        threads = 1 if role == "orchestrator" else self.cfg.role_threads(role)
+        if role == "inference":
+            port = _previous_port(self.run_dir)
+            if self.cfg.inference.engine == "vllm":
+                self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, port)
+            else:
+                self.procs[role] = start_role(role, self.run_dir, threads, ASYNCRL_INFERENCE_PORT=str(port),
+                                              ASYNCRL_INCARNATION=str(self.restarts[role]))
+        else:
+            self.procs[role] = start_role(role, self.run_dir, threads)
+        self.started[role] = time.monotonic()
+        pids = {r: p.pid for r, p in self.procs.items()}
+        (self.run_dir / "pids.json.tmp").write_text(json.dumps(pids))
+        os.replace(self.run_dir / "pids.json.tmp", self.run_dir / "pids.json")
+
+    def start_all(self) -> None:
+        (self.run_dir / "inference.json").unlink(missing_ok=True)  # (from an earlier launch) written anew once bound
+        shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
+        self.start("inference")
+        wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
+        self.start("trainer")
+        self.start("orchestrator")
+
+    def finished(self) -> bool:
+        """Check every role once; True when the trainer and the orchestrator have both completed."""
+        for role, proc in self.procs.items():
+            code = proc.poll()
+            if code == 0 and role != "inference":
+                continue
+            if code is not None:
+                self._restart(role, f"exited with code {code}")
+            elif (stuck := self._stuck(role)) is not None:
+                proc.kill()
+                proc.wait()
+                self._restart(role, stuck)
+        return all(self.procs[r].poll() == 0 for r in ("trainer", "orchestrator"))
+
+    def _stuck(self, role: str) -> str | None:
+        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for timeouts.heartbeat."""
+        if role == "inference" and self.cfg.inference.engine == "vllm":
+            return None  # vLLM beats no file of ours; its process and /health are what we have
+        silent = heartbeat.age(self.run_dir, role)
+        if silent is None:
+            waited = time.monotonic() - self.started[role]
+            return f"did not start within {waited:.0f}s (timeouts.startup); killed" if waited > self.cfg.timeouts.startup else None
+        return f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed" if silent > self.cfg.timeouts.heartbeat else None
+
+    def _restart(self, role: str, why: str) -> None:
+        log = self.run_dir / "logs" / f"{role}.log"
+        if self.restarts[role] >= self.cfg.run.max_restarts:
+            self.events.write("role_failed", target=role, why=why, restarts=self.restarts[role])
+            raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
+                           f"last lines of {log}:\n{tail(log)}")
+        self.restarts[role] += 1
+        self.log(f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})")
+        self.events.write("role_restarted", target=role, why=why, restart=self.restarts[role])
+        heartbeat.heartbeat_file(self.run_dir, role).unlink(missing_ok=True)
+        self.start(role)
+
+    def stop(self) -> None:
+        stop(self.procs)
+
+
+def _previous_port(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "inference.json").read_text())["url"].rsplit(":", 1)[1])
+    except (FileNotFoundError, ValueError, KeyError, IndexError):
+        return 0
 
 
 class Progress:
@@ -180,46 +267,76 @@ class Progress:
         print(("\r" + line.ljust(120)) if self.tty else line, end="" if self.tty else "\n", file=self.out, flush=True)
 
 
+class Stopped(RunError):
+    """The launcher was told to stop (SIGTERM or Ctrl-C); `asyncrl train --resume` continues the run."""
+
+
+def _stop_on_sigterm(signum, frame):
+    raise Stopped(f"stopped by signal {signum}")
+
+
 def launch(cfg: Config, run_dir: Path, log=print) -> None:
-    procs: dict[str, subprocess.Popen] = {}
+    supervisor = Supervisor(cfg, run_dir, log)
     progress = Progress(run_dir, cfg.run.steps)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)  # stop the roles on the way out
     try:
-        if cfg.inference.engine == "vllm":
-            procs["inference"] = start_vllm(cfg, run_dir, cfg.role_threads("inference"))
-        else:
-            procs["inference"] = start_role("inference", run_dir, cfg.role_threads("inference"))
-        wait_for_inference(procs["inference"], run_dir, cfg.timeouts.startup)
-        procs["trainer"] = start_role("trainer", run_dir, cfg.role_threads("trainer"))
-        procs["orchestrator"] = start_role("orchestrator", run_dir, 1)
-        while procs["orchestrator"].poll() is None or procs["trainer"].poll() is None:
-            for role, proc in procs.items():
-                if proc.poll() not in (None, 0):
-                    raise _dead_role_error(role, proc, run_dir)
+        supervisor.start_all()
+        while not supervisor.finished():
             progress.poll()
             time.sleep(0.2)
-        for role in ("trainer", "orchestrator"):
-            if procs[role].returncode != 0:
-                raise _dead_role_error(role, procs[role], run_dir)
         progress.poll()
         if progress.tty:
             print()
     finally:
-        stop(procs)
+        supervisor.stop()
 
 
 def train(cfg: Config, log=print) -> Path:
     """Run a whole training job; returns the run directory (with its report)."""
-    from asyncrl.report import write_report
-
     check_inputs(cfg, log)
     run_dir = prepare_run_dir(cfg)
     log(f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"max_staleness {cfg.rollout.max_staleness}, objective {cfg.objective.name}, "
         f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}")
+    return _run(cfg, run_dir, log)
+
+
+def resume(run_dir: str | Path, overrides: list[str] | None = None, force: bool = False, log=print) -> Path:
+    """Continue a stopped run in its own directory: the trainer from its newest valid checkpoint,
+    the orchestrator from the ledger. A config change that would alter what the run computes is
+    refused unless `force`; the difference is shown either way."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.json); nothing to resume")
+    old = read_run_config(run_dir)
+    tree = merge_config(old.model_dump(mode="json"), parse_overrides(list(overrides or [])))
+    tree["run"].update(root=str(run_dir.parent), name=run_dir.name)  # the directory may have moved
+    new = load_config(overrides=tree)
+    meaning, harmless = config_changes(old, new)
+    if meaning and not force:
+        raise ConfigError(f"resuming {run_dir} with these changes would change what the run computes:\n  "
+                          + "\n  ".join(meaning) + "\npass --force to resume anyway")
+    for line in meaning + harmless:
+        log(f"resume: {line}")
+    check_inputs(new, log)
+    save_config(new, run_dir / "config.json")
+    EventLog(run_dir, "launcher").write("run_resumed", changes=meaning + harmless, forced=bool(meaning))
+    log(f"resuming {run_dir}: {new.run.steps} steps")
+    return _run(new, run_dir, log)
+
+
+def _run(cfg: Config, run_dir: Path, log) -> Path:
+    from asyncrl.ledger import audit
+    from asyncrl.report import write_report
+
     start = time.monotonic()
     launch(cfg, run_dir, log)
     summary = write_report(run_dir)
     summary["wall_seconds"] = round(time.monotonic() - start, 1)
+    summary["ledger"] = audit(run_dir, cfg.rollout.max_staleness)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log((run_dir / "report.md").read_text())
+    if summary["ledger"]["problems"]:
+        raise RunError("the ledger audit found problems: " + "; ".join(summary["ledger"]["problems"]))
     return run_dir

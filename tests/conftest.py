@@ -27,14 +27,18 @@ def tiny_model(tmp_path_factory) -> str:
 
 def job_config(tmp_path: Path, model: str, **overrides):
     """A short run's config: small batches, a run dir under tmp_path, overrides as {"a.b": v}."""
+    return load_config(overrides=job_args(tmp_path, model, **overrides))
+
+
+def job_args(tmp_path: Path, model: str, **overrides) -> list[str]:
+    """The same as command-line overrides: ["--run.root", "...", ...]."""
     base = {
         "run.root": str(tmp_path / "runs"), "run.name": "job", "run.steps": 6, "model.path": model,
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "task.eval_size": 50,
         "timeouts.startup": 60, "timeouts.train_step": 120, "timeouts.batch": 120,
     }
     base.update(overrides)
-    args = [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]
-    return load_config(overrides=args)
+    return [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def test_unknown_dataset(tmp_path):
 
 
 def test_verifier_that_raises_drops_that_sample_and_the_run_goes_on(tiny_model, tmp_path, tests_on_path):
-    cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "flaky_verifier:score", "run.steps": 4})
+    cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "faulty:flaky_verifier", "run.steps": 4})
     run_dir = train(cfg, log=lambda *a, **k: None)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     errors = [e for e in events if e.get("reason") == "verifier_error"]

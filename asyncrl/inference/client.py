@@ -11,6 +11,10 @@ class InferenceError(RuntimeError):
     pass
 
 
+class InferenceUnavailable(InferenceError):
+    """The server cannot be reached or dropped the connection: it may be restarting, retry after it is back."""
+
+
 class InferenceClient:
     def __init__(self, url: str, timeout: float):
         self.url = url.rstrip("/")
@@ -43,6 +47,8 @@ class InferenceClient:
             raise InferenceError(
                 f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"
             ) from None
+        except aiohttp.ClientConnectionError as e:
+            raise InferenceUnavailable(f"inference server {self.url} unreachable during {what}: {e}") from None
         except aiohttp.ClientError as e:
             raise InferenceError(f"inference server {self.url} unreachable during {what}: {e}") from None
 
@@ -58,6 +64,9 @@ class InferenceClient:
 
     async def version(self, with_hash: bool = False) -> dict:
         return await self._call("GET", "/version" + ("?hash=1" if with_hash else ""), "a version query")
+
+    def forget_version(self) -> None:
+        """Nothing to forget: this server reports its version itself."""
 
     async def stats(self) -> dict:
         return await self._call("GET", "/stats", "a stats query")

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from asyncrl import weights
 from asyncrl.config import read_run_config
+from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.model import load_policy
 
@@ -43,8 +44,9 @@ class Worker:
     loads; "interrupt" and "abort" load at the next token boundary.
     """
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str, heartbeat=None):
         self.engine, self.loop, self.update_policy = engine, loop, update_policy
+        self.heartbeat = heartbeat  # beaten by the engine thread: a stuck engine stops it
         self.commands: queue.Queue = queue.Queue()
         self.paused = False
         self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
@@ -70,6 +72,8 @@ class Worker:
     # the engine thread
     def _run(self) -> None:
         while True:
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             idle = self.paused or not self.engine.has_work()
             self._apply_commands(block=idle and self.pending_update is None)
             if self.pending_update and not self.engine.running:
@@ -92,7 +96,7 @@ class Worker:
     def _apply_commands(self, block: bool) -> None:
         while True:
             try:
-                name, args, future = self.commands.get(block=block, timeout=None)
+                name, args, future = self.commands.get(block=block, timeout=1.0)  # wake to beat
             except queue.Empty:
                 return
             block = False
@@ -286,19 +290,33 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
     return app
 
 
+async def _bind(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
+    """A restarted server takes its predecessor's port (clients keep their URL) when it is free."""
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except OSError:
+        if port == 0:
+            raise
+        print(f"inference: port {port} is taken; picking a free one", flush=True)
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+    return site
+
+
 async def serve(run_dir: Path) -> None:
     cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.role_threads("inference"))
     model, tokenizer = load_policy(cfg.model.path)
     model = model.to(getattr(torch, cfg.inference.dtype))
-    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=cfg.run.seed,
+    incarnation = int(os.environ.get("ASYNCRL_INCARNATION", "0"))  # a restarted server must not repeat its samples
+    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=cfg.run.seed + 1000 * incarnation,
                     max_sequences=cfg.inference.max_batch_sequences, max_tokens=cfg.inference.max_batch_tokens)
-    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy)
+    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference"))
     app = make_app(worker, tokenizer, cfg.model.path, cfg)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.inference.host, cfg.inference.port)
-    await site.start()
+    site = await _bind(runner, cfg.inference.host, cfg.inference.port or int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0")))
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
     info = run_dir / "inference.json"

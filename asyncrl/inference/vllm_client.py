@@ -92,6 +92,10 @@ class VLLMClient(InferenceClient):
     async def version(self, with_hash: bool = False) -> dict:
         return {"version": self.current_version}
 
+    def forget_version(self) -> None:
+        """After a lost connection the server may be a fresh one: vLLM cannot say which version it holds."""
+        self.current_version = -1
+
     async def stats(self) -> dict:
         self._track(0)
         return {"tokens_generated": self.tokens_generated, "busy_seconds": self.busy_seconds,

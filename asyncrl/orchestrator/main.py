@@ -1,10 +1,17 @@
-"""The orchestrator role: the single controller of a run.
+"""The orchestrator role: the single controller of a run, and the ledger's only writer.
 
 Three loops share one asyncio event loop:
   admit    starts groups (G samples of one prompt) while the staleness gate allows;
   assemble packs batch k from finished groups, drops those too stale, writes it for the trainer;
   follow   waits for each new version from the trainer, has the inference server load it,
-           records the step's metrics, and runs the held-out evaluation every few versions.
+           records the step's metrics, commits the batches a durable checkpoint contains, and
+           runs the held-out evaluation every few versions.
+
+Every state change goes to the ledger first (asyncrl/ledger.py), so a restarted orchestrator
+rebuilds everything from it: prompts whose generation was lost are issued again, finished groups
+go back to the ready pool, the gate and the cursor are recounted. If the inference server goes
+away mid-run, the orchestrator waits for it to come back, has it load the served version again
+and retries what was lost.
 
 Run as `python -m asyncrl.orchestrator.main RUN_DIR`.
 """
@@ -12,48 +19,88 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from asyncrl import weights
+from asyncrl import checkpoint, weights
 from asyncrl.config import Config, read_run_config
-from asyncrl.inference.client import InferenceClient
-from asyncrl.orchestrator.advantages import advantage_fn
+from asyncrl.events import EventLog
+from asyncrl.heartbeat import Heartbeat
+from asyncrl.inference.client import InferenceClient, InferenceUnavailable
+from asyncrl.ledger import Ledger
+from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn
 from asyncrl.orchestrator.rollout import rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
-from asyncrl.rewards.tasks import TaskSource
-from asyncrl.trajectory import Trajectory, write_batch
+from asyncrl.rewards.pool import VerifierPool, VerifierError
+from asyncrl.rewards.tasks import BadTaskRow, TaskSource
+from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
-
-class JsonlLog:
-    def __init__(self, path: Path):
-        self.file = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+GROUP_ATTEMPTS = 3  # a prompt whose generation fails this often (the server died under it each time) is dropped
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer):
+    def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer, verifiers: VerifierPool):
         self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
+        self.verifiers = verifiers
         self.tasks = TaskSource(cfg.task)
-        self.eval_tasks = TaskSource(cfg.task, seed=cfg.task.eval_seed)
+        self.eval_tasks = self._eval_tasks(cfg)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
-        self.served_version = 0
-        self.cursor = 0  # next dataset index
-        self.ready: list[list[Trajectory]] = []
+        self.recovering = asyncio.Lock()  # one recovery of the inference server at a time
         self.failure: Exception | None = None  # first rollout error; ends the run
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight: set[asyncio.Task] = set()
-        self.batch_stats: dict[int, dict] = {}
-        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
-        self.events = JsonlLog(run_dir / "events.jsonl")
-        self.start = time.monotonic()
-        self.last_gen = (self.start, 0)
+        self.ledger = Ledger(run_dir)
+        self.events = EventLog(run_dir, "orchestrator")
+        self.heartbeat = Heartbeat(run_dir, "orchestrator")
+        self._restore()
+
+    @staticmethod
+    def _eval_tasks(cfg: Config) -> TaskSource | None:
+        if cfg.task.eval_size == 0 or (cfg.task.name == "jsonl" and not cfg.task.eval_path):
+            return None
+        return TaskSource(cfg.task, seed=cfg.task.eval_seed, path=cfg.task.eval_path)
+
+    def _restore(self) -> None:
+        """State from the ledger: empty on a fresh run, everything durable after a restart."""
+        led = self.ledger
+        self.started_at = led.get("started_at") or time.time()
+        led.put("started_at", self.started_at)
+        self.served_version = led.get("served_version", 0)
+        self.cursor = led.next_prompt_id()
+        self.reissue = led.in_flight()  # their generation died with an earlier process
+        self.ready: list[list[Trajectory]] = led.ready_groups()
+        self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
+        self.next_step = len(led.batched_steps())
+        if isinstance(self.advantages, RunningBaseline):
+            self.advantages.value = led.get("baseline")
+        for step in led.batched_steps():  # a crash between the ledger and the file: write it again
+            if not batch_path(self.run_dir, step).exists():
+                write_batch(self.run_dir, step, led.batch_samples(step))
+        newest = checkpoint.latest(self.run_dir, log=lambda m: self.events.write("checkpoint_corrupt", detail=m))
+        self.committed_through = int(newest.name.removeprefix("step_")) if newest else 0
+        led.commit_through(self.committed_through)
+        # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
+        lines = "".join(json.dumps(r) + "\n" for r in led.metrics())
+        tmp = self.run_dir / "metrics.jsonl.tmp"
+        tmp.write_text(lines)
+        os.replace(tmp, self.run_dir / "metrics.jsonl")
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self.last_gen = (time.monotonic(), None)
+        if self.cursor:
+            self.events.write("orchestrator_resumed", served_version=self.served_version, cursor=self.cursor,
+                              reissued=len(self.reissue), ready_groups=len(self.ready), next_step=self.next_step,
+                              committed_through=self.committed_through)
+
+    def _now(self) -> float:
+        return time.time() - self.started_at
+
+    def _write_metrics(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -65,9 +112,40 @@ class Orchestrator:
             async with self.changed:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.failure or predicate()), deadline)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what}") from None
+            raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what} "
+                               f"(served version {self.served_version})") from None
         if self.failure:
             raise self.failure
+
+    # --- the inference server, which may go away ----------------------------------------
+    async def _server(self, call, what: str):
+        """Run `call()`; if the server is unreachable, wait for it to come back and retry."""
+        for attempt in range(GROUP_ATTEMPTS):
+            try:
+                return await call()
+            except InferenceUnavailable as e:
+                if attempt + 1 == GROUP_ATTEMPTS:
+                    raise
+                await self._recover_inference(what, e)
+
+    async def _recover_inference(self, what: str, error: Exception) -> None:
+        async with self.recovering:
+            self.events.write("inference_unreachable", what=what, error=str(error))
+            start = time.monotonic()
+            self.client.url = json.loads((self.run_dir / "inference.json").read_text())["url"]
+            await self.client.wait_healthy(self.cfg.timeouts.startup)
+            self.client.forget_version()
+            await self._ensure_served()
+            self.events.write("inference_recovered", what=what, seconds=time.monotonic() - start,
+                              version=self.served_version)
+
+    async def _ensure_served(self) -> None:
+        """A restarted server holds the initial weights: load the version the run is at."""
+        held = (await self.client.version())["version"]
+        if held != self.served_version and self.served_version > 0:
+            body = {"path": str(weights.weights_file(self.run_dir, self.served_version)), "version": self.served_version,
+                    "hash": weights.read_marker(self.run_dir, self.served_version)["hash"]}
+            await self.client.update_weights(body, self.cfg.timeouts.weight_load)
 
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -75,30 +153,60 @@ class Orchestrator:
         needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step
         while True:
             await self._wait_for(
-                lambda: self.assembled or (len(self.in_flight) < limit and self.gate.admitted < needed
-                                           and self.gate.can_admit(self.served_version)),
+                lambda: self.assembled or (len(self.in_flight) < limit and (bool(self.reissue) or (
+                    self.gate.admitted < needed and self.gate.can_admit(self.served_version)))),
                 self.cfg.timeouts.train_step, "room to start a rollout (the trainer publishes versions)",
             )
             if self.assembled:
                 return
-            self.gate.admit()
-            task = asyncio.create_task(self._run_group(self.cursor))
-            self.cursor += 1
+            if self.reissue:
+                index = self.reissue.pop(0)
+                self.events.write("prompt_reissued", prompt_id=index)
+            else:
+                index = self.cursor
+                self.cursor += 1
+                try:
+                    self._prompt(index)
+                except BadTaskRow as e:  # the row is skipped, not the run
+                    self.ledger.drop_prompt(index, "bad_row")
+                    self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
+                    continue
+                self.gate.admit()
+            self.ledger.dispatch(index)
+            task = asyncio.create_task(self._run_group(index))
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)
 
+    def _prompt(self, index: int) -> tuple[dict, list[int]]:
+        entry = self.tasks.item(index)
+        prompt = self.tokenizer(self.tasks.prompt(entry))["input_ids"]
+        limit = self.cfg.inference.max_prompt_tokens
+        if len(prompt) > limit:
+            raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
+        return entry, prompt
+
     async def _run_group(self, index: int) -> None:
         try:
-            group, events = await rollout_group(self.client, self.tasks, self.tokenizer, index, self.cfg)
-        except Exception as e:  # e.g. the inference server is gone: every waiting loop must hear of it
+            entry, prompt = self._prompt(index)
+            group, dropped = await self._server(
+                lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg), f"prompt {index}")
+        except InferenceUnavailable as e:
+            self.failure = RuntimeError(f"orchestrator: prompt {index} failed {GROUP_ATTEMPTS} times: {e}")
+            await self._notify()
+            return
+        except Exception as e:  # every waiting loop must hear of it
             self.failure = e
             await self._notify()
             return
-        for e in events:
-            self.events.write({**e, "time": time.monotonic() - self.start})
+        for d in dropped:
+            self.events.write("sample_dropped", **{k: v for k, v in d.items() if k != "id"}, sample=d["id"])
         if group:
             for traj, adv in zip(group, self.advantages([t.reward for t in group])):
                 traj.advantages = [adv if m else 0.0 for m in traj.loss_mask]
+        baseline = getattr(self.advantages, "value", None)
+        self.ledger.finish(index, group, [(d["id"], d["reason"]) for d in dropped],
+                           meta={"baseline": baseline} if baseline is not None else None)
+        if group:
             self.ready.append(group)
         else:
             self.gate.release()
@@ -107,7 +215,7 @@ class Orchestrator:
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
         per_step = self.cfg.rollout.prompts_per_step
-        for step in range(self.cfg.run.steps):
+        for step in range(self.next_step, self.cfg.run.steps):
             dropped = 0
             batch: list[list[Trajectory]] = []
             while len(batch) < per_step:
@@ -121,12 +229,13 @@ class Orchestrator:
                     continue
                 dropped += 1
                 self.gate.release()
-                self.events.write({"event": "group_dropped", "reason": "too_stale", "step": step,
-                                   "prompt_id": group[0].prompt_id, "oldest_version": oldest})
+                self.ledger.drop_group(group, "too_stale")
+                self.events.write("group_dropped", reason="too_stale", step=step,
+                                  prompt_id=group[0].prompt_id, oldest_version=oldest)
                 await self._notify()
             trajs = [t for g in batch for t in g]
+            self.ledger.batch(step, trajs, self._batch_stats(step, trajs, dropped))
             write_batch(self.run_dir, step, trajs)
-            self.batch_stats[step] = self._batch_stats(step, trajs, dropped)
         self.assembled = True
         await self._notify()
 
@@ -145,16 +254,40 @@ class Orchestrator:
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
-        evals = [asyncio.create_task(self.evaluate())]
-        for version in range(1, self.cfg.run.steps + 1):
+        await self._server(self._ensure_served, "loading the served version at start")
+        evals = [asyncio.create_task(self.evaluate())] if self.served_version == 0 else []
+        for version in range(self.served_version + 1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
-            await self.client.update_weights(self._update_body(version, marker), self.cfg.timeouts.weight_load)
+            await self._server(lambda: self.client.update_weights(self._update_body(version, marker),
+                                                                  self.cfg.timeouts.weight_load),
+                               f"loading version {version}")
+            record = await self._step_record(version, marker)
+            self.ledger.record_step(version, record)
             self.served_version = version
             await self._notify()
-            await self._record_step(version, marker)
+            self._write_metrics(record)
+            self._commit(checkpoint.valid_steps(checkpoint.checkpoints_dir(self.run_dir), verify=False))
             if version % self.cfg.task.eval_every == 0 or version == self.cfg.run.steps:
                 evals.append(asyncio.create_task(self.evaluate()))
         await asyncio.gather(*evals)
+        await self._wait_for_final_checkpoint()
+
+    def _commit(self, durable_steps: list[int]) -> None:
+        """The batches a durable checkpoint contains are committed: never to be trained again."""
+        if durable_steps and durable_steps[-1] > self.committed_through:
+            self.committed_through = durable_steps[-1]
+            n = self.ledger.commit_through(self.committed_through)
+            self.events.write("committed", through_step=self.committed_through, samples=n)
+
+    async def _wait_for_final_checkpoint(self) -> None:
+        deadline = time.monotonic() + self.cfg.timeouts.checkpoint
+        root = checkpoint.checkpoints_dir(self.run_dir)
+        while self.committed_through < self.cfg.run.steps:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not "
+                                   f"appear in {root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
+            self._commit(checkpoint.valid_steps(root, verify=False))
+            await asyncio.sleep(0.05)
 
     def _update_body(self, version: int, marker: dict) -> dict:
         body = {"path": str(weights.weights_file(self.run_dir, version)), "version": version,
@@ -177,15 +310,17 @@ class Orchestrator:
             await asyncio.sleep(0.005)
         return marker
 
-    async def _record_step(self, version: int, marker: dict) -> None:
+    async def _step_record(self, version: int, marker: dict) -> dict:
         now = time.monotonic()
-        stats = await self.client.stats()
+        stats = await self._server(self.client.stats, "a stats query")
         t_prev, tok_prev = self.last_gen
-        self.last_gen = (now, stats["tokens_generated"])
-        record = {
-            "step": version - 1, "version": version, "time": now - self.start,
-            **self.batch_stats.pop(version - 1, {}),
-            "gen_tokens_per_s": (stats["tokens_generated"] - tok_prev) / max(now - t_prev, 1e-9),
+        tokens = stats["tokens_generated"]
+        self.last_gen = (now, tokens)
+        generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0  # 0 across a restart
+        return {
+            "step": version - 1, "version": version, "time": self._now(),
+            **self.ledger.step_stats(version - 1),
+            "gen_tokens_per_s": generated / max(now - t_prev, 1e-9),
             "inference_busy_seconds": stats["busy_seconds"],
             "tokens_discarded": stats.get("tokens_discarded", 0),
             "inference_idle_seconds": stats["uptime_seconds"] - stats["busy_seconds"],
@@ -193,30 +328,43 @@ class Orchestrator:
             "trainer_idle_seconds": marker.pop("idle_seconds"),
             "orchestrator_cpu_seconds": time.process_time(),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
-            **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash")},
+            **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash", "batch_digest")},
         }
-        self.metrics.write(record)
 
     async def evaluate(self) -> None:
         """Greedy accuracy on the fixed held-out set, under whatever version the server holds."""
-        n = self.cfg.task.eval_size
-        if n == 0:
+        if self.eval_tasks is None:
             return
-        entries = [self.eval_tasks.item(i) for i in range(n)]
-        prompts = [self.tokenizer(self.eval_tasks.prompt(e))["input_ids"] for e in entries]
-        choices = await self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0)
+        n = self.cfg.task.eval_size
+        entries, prompts = [], []
+        for i in range(n):
+            try:
+                entry = self.eval_tasks.item(i)
+                prompts.append(self.tokenizer(self.eval_tasks.prompt(entry))["input_ids"])
+                entries.append(entry)
+            except BadTaskRow:  # a bad held-out row is left out of the denominator
+                continue
+        choices = await self._server(
+            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
         correct = 0.0
         for choice, entry in zip(choices, entries):
             try:
-                correct += self.eval_tasks.score(choice["text"], entry)
-            except Exception:  # an unscorable answer counts as wrong
+                correct += await self.verifiers.score(choice["text"], entry, self.cfg.timeouts.verifier)
+            except VerifierError:  # an unscorable answer counts as wrong
                 pass
-        version = min(min(c["versions"]) for c in choices)
-        self.metrics.write({"eval_version": version, "eval_accuracy": correct / n,
-                            "time": time.monotonic() - self.start})
+        version = min(min(c["versions"]) for c in choices if c["versions"]) if choices else self.served_version
+        record = {"eval_version": version, "eval_accuracy": correct / max(len(entries), 1), "time": self._now()}
+        self.ledger.record_eval(record)
+        self._write_metrics(record)
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            await asyncio.sleep(0.5)
 
     async def run(self) -> None:
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
+        beat = asyncio.create_task(self._beat())
         try:
             follow = asyncio.create_task(self.follow())
             done, _ = await asyncio.wait([follow, *loops], return_when=asyncio.FIRST_EXCEPTION)
@@ -224,8 +372,10 @@ class Orchestrator:
                 task.result()  # re-raise the first failure
             await follow
         finally:
-            for task in [*loops, *self.in_flight]:
+            for task in [beat, *loops, *self.in_flight]:
                 task.cancel()
+            await asyncio.gather(beat, *loops, *self.in_flight, return_exceptions=True)
+            self.ledger.close()
 
 
 async def main(run_dir: Path) -> None:
@@ -241,10 +391,14 @@ async def main(run_dir: Path) -> None:
         client = VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
     else:
         client = InferenceClient(url, cfg.timeouts.http)
-    async with client:
-        await client.wait_healthy(cfg.timeouts.startup)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        await Orchestrator(cfg, run_dir, client, tokenizer).run()
+    verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
+    try:
+        async with client:
+            await client.wait_healthy(cfg.timeouts.startup)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            await Orchestrator(cfg, run_dir, client, tokenizer, verifiers).run()
+    finally:
+        verifiers.close()
     print("orchestrator: done", flush=True)
 
 

@@ -1,11 +1,14 @@
-"""Tasks generated offline by reasoning-gym, and the verifier that scores a completion.
+"""Tasks, and the verifier that scores a completion.
 
-A task item is the dataset's dict (question, answer, metadata). Index i of a seeded dataset is
-always the same item, so a run's dataset position is one integer.
+Tasks come from a reasoning-gym dataset (generated offline) or from a JSONL file of
+{"prompt": ..., "answer": ...} rows (`task.name = "jsonl"`, scored by exact match unless
+`task.verifier` is set). A task item is a dict (question, answer, metadata). Index i always
+names the same item (a file is read in epochs), so a run's dataset position is one integer.
 """
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any, Callable
 
 from asyncrl.config import ConfigError, TaskConfig
@@ -21,13 +24,51 @@ def _import(path: str, what: str) -> Callable:
         raise ConfigError(f"{what} = {path!r} cannot be imported as 'module:function': {e}") from None
 
 
-class TaskSource:
-    """Items, prompts and scores of one reasoning-gym dataset."""
+class BadTaskRow(ValueError):
+    """This item cannot become a prompt; the run drops it, records why and goes on."""
 
-    def __init__(self, cfg: TaskConfig, seed: int | None = None):
+
+class JsonlRows:
+    """Rows of a JSONL file; a malformed row is reported when it is asked for, not at load."""
+
+    def __init__(self, path: str):
+        try:
+            self.lines = [line for line in open(path).read().splitlines() if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"task file {path!r} cannot be read: {e}") from None
+        if not self.lines:
+            raise ConfigError(f"task file {path!r} has no rows")
+        self.path = path
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = index % len(self.lines)
+        where = f"{self.path} row {row + 1}"
+        try:
+            record = json.loads(self.lines[row])
+        except json.JSONDecodeError as e:
+            raise BadTaskRow(f"{where} is not valid JSON: {e}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or "answer" not in record:
+            raise BadTaskRow(f"{where} needs a string 'prompt' and an 'answer', got {self.lines[row][:80]!r}")
+        if not record["prompt"].strip():
+            raise BadTaskRow(f"{where} has an empty prompt")
+        return {"question": record["prompt"], "answer": str(record["answer"]), "metadata": {"row": row}}
+
+    @staticmethod
+    def score_answer(completion: str, entry: dict) -> float:
+        return float(completion.strip() == entry["answer"].strip())
+
+
+class TaskSource:
+    """Items, prompts and scores of one dataset."""
+
+    def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None):
+        self.cfg = cfg
+        self._verifier = _import(cfg.verifier, "task.verifier") if cfg.verifier else None
+        if cfg.name == "jsonl":
+            self.dataset = JsonlRows(path or cfg.path)
+            return
         import reasoning_gym
 
-        self.cfg = cfg
         try:
             self.dataset = reasoning_gym.create_dataset(
                 cfg.name, size=_SIZE, seed=cfg.seed if seed is None else seed, **cfg.params
@@ -37,15 +78,21 @@ class TaskSource:
             raise ConfigError(f"task.name = {cfg.name!r}: {e}. Known datasets include: {known}, ...") from None
         except TypeError as e:  # unknown parameter
             raise ConfigError(f"task.params = {cfg.params!r} do not fit dataset {cfg.name!r}: {e}") from None
-        self._verifier = _import(cfg.verifier, "task.verifier") if cfg.verifier else None
 
     def item(self, index: int) -> dict[str, Any]:
-        return self.dataset[index]
+        try:
+            return self.dataset[index]
+        except BadTaskRow:
+            raise
+        except Exception as e:  # a generator that fails on one index
+            raise BadTaskRow(f"{self.cfg.name} item {index} cannot be generated: {type(e).__name__}: {e}") from None
 
     def prompt(self, entry: dict[str, Any]) -> str:
         expression = entry.get("metadata", {}).get("expression")
         if self.cfg.prompt_format == "compact" and expression:
             return expression.replace(" ", "") + "="
+        if not entry["question"].strip():
+            raise BadTaskRow(f"item {entry.get('metadata', {})} has an empty prompt")
         return entry["question"]
 
     def score(self, completion: str, entry: dict[str, Any]) -> float:

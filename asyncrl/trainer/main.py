@@ -1,27 +1,33 @@
 """The trainer role: wait for batch k, train version k into k+1, publish it, checkpoint.
 
 Run as `python -m asyncrl.trainer.main RUN_DIR`. It reads only the run directory: batches in,
-weights and checkpoints out.
+weights and checkpoints out. It always starts from the newest checkpoint that verifies, so a
+restart after a crash (or `asyncrl train --resume`) continues where the last durable state was:
+the batches trained after that checkpoint are trained again, from the same files, with the same
+RNG state, and each re-published version is checked bit for bit against the one published
+before the crash.
 """
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from asyncrl import weights
+from asyncrl import checkpoint, weights
 from asyncrl.config import read_run_config
+from asyncrl.events import EventLog
+from asyncrl.heartbeat import Heartbeat
+from asyncrl.ledger import batch_digest
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import batch_path, read_batch
 
 
-def wait_for_batch(run_dir: Path, step: int, deadline_s: float) -> Path:
+def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heartbeat) -> Path:
     path = batch_path(run_dir, step)
     start = time.monotonic()
     while not path.exists():
@@ -30,54 +36,74 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float) -> Path:
                 f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
                 f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?"
             )
+        heartbeat.beat()
         time.sleep(0.005)
     return path
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2) -> Path:
-    """Model + optimizer + scheduler + RNG after `step` steps, written to a temp dir and renamed into place."""
-    root = run_dir / "checkpoints"
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-         "rng": torch.get_rng_state()},
-        tmp / "trainer_state.pt",
-    )
-    model.save_pretrained(tmp)
-    os.replace(tmp, final)
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    return final
+def restore(run_dir: Path, cfg, events: EventLog):
+    """(model, tokenizer, trainer state or None): the newest valid checkpoint, else the initial model."""
+    path = checkpoint.latest(run_dir, log=lambda m: (print(f"trainer: {m}", flush=True),
+                                                     events.write("checkpoint_corrupt", detail=m)))
+    model, tokenizer = load_policy(str(path) if path else cfg.model.path)
+    if path is None:
+        return model, tokenizer, None
+    state = checkpoint.load_trainer_state(path)
+    print(f"trainer: resuming from {path} (step {state['step']})", flush=True)
+    events.write("trainer_resumed", checkpoint=str(path), step=state["step"])
+    return model, tokenizer, state
+
+
+def publish_version(run_dir: Path, version: int, state: dict, metrics: dict, events: EventLog) -> None:
+    """Publish, or after a restart confirm that the version published before it is bit-identical."""
+    before = weights.read_marker(run_dir, version)
+    if before is None:
+        weights.publish(run_dir, version, state, metrics)
+        return
+    digest = weights.state_hash(state)
+    if digest == before["hash"] and before.get("batch_digest") == metrics["batch_digest"]:
+        events.write("version_replayed", version=version, identical=True)
+        return
+    # Non-deterministic kernels (some GPU ones) can make a replay differ: the new weights win,
+    # and samples already drawn from the old ones stay valid off-policy data (their logprobs are theirs).
+    print(f"trainer: replayed version {version} differs from the one published before the restart", flush=True)
+    events.write("version_replayed", version=version, identical=False)
+    weights.publish(run_dir, version, state, metrics)
 
 
 def main(run_dir: str) -> None:
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.role_threads("trainer"))
+    events = EventLog(run_dir, "trainer")
     torch.manual_seed(cfg.run.seed)
-    model, tokenizer = load_policy(cfg.model.path)
+    model, tokenizer, resumed = restore(run_dir, cfg, events)
     model.to(cfg.trainer.device).train()
     ref_model = None
     if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = load_policy(cfg.model.path)[0].to(cfg.trainer.device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, betas=cfg.trainer.betas, weight_decay=cfg.trainer.weight_decay
     )
     warmup = cfg.trainer.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    first_step = 0
+    if resumed is not None:
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        torch.set_rng_state(resumed["rng"])
+        first_step = resumed["step"]
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     serving_dtype = getattr(torch, cfg.inference.dtype)
     served = weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
+    writer = checkpoint.CheckpointWriter(run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint)
     busy = idle = 0.0
-    print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}", flush=True)
-    for step in range(cfg.run.steps):
+    heartbeat = Heartbeat(run_dir, "trainer")  # from here on a silent trainer is a stuck one
+    print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}, "
+          f"steps {first_step}..{cfg.run.steps}", flush=True)
+    for step in range(first_step, cfg.run.steps):
         t0 = time.monotonic()
-        path = wait_for_batch(run_dir, step, cfg.timeouts.batch)
-        trajs = read_batch(path)
+        trajs = read_batch(wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat))
         t1 = time.monotonic()
         metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model)
         metrics["lr"] = scheduler.get_last_lr()[0]
@@ -85,8 +111,9 @@ def main(run_dir: str) -> None:
         t2 = time.monotonic()
         idle, busy = idle + (t1 - t0), busy + (t2 - t1)
         metrics.update(
-            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, busy_seconds=busy,
-            idle_seconds=idle, train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
+            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, busy_seconds=busy, idle_seconds=idle,
+            train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
+            batch_digest=batch_digest([t.id for t in trajs]),
         )
         state = weights.model_state(model)
         if served is not None:  # the patch lands before the marker that announces the version
@@ -95,12 +122,16 @@ def main(run_dir: str) -> None:
             weights.save_patch(run_dir, step + 1, patch)
             served = new
             metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
-        weights.publish(run_dir, step + 1, state, metrics)
-        weights.prune(run_dir, step + 1, cfg.trainer.keep_weight_versions)
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler)
+            metrics["checkpoint_stall_seconds"] = writer.save(step + 1, model, optimizer, scheduler)
+        publish_version(run_dir, step + 1, state, metrics, events)
+        # the server may be up to η + 1 versions behind, and must still find the one it serves
+        weights.prune(run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2))
+        heartbeat.beat()
         busy += time.monotonic() - t2
-    print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {idle:.1f}s", flush=True)
+    writer.wait()
+    print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {idle:.1f}s, "
+          f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
 
 
 if __name__ == "__main__":

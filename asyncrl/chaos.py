@@ -1,0 +1,56 @@
+"""Fault injection for a live run: SIGKILL its roles at chosen moments (tests and benchmarks/recovery.py).
+
+A plan is a list of (role, step): once the run has recorded `step` steps, wait a random fraction
+of a second (so the kill lands mid-generation, mid-training or mid-write, not on a boundary) and
+SIGKILL that role's current process, read from the run's pids.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+
+def steps_recorded(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.startswith('{"step"'))
+
+
+def pid_of(run_dir: Path, role: str) -> int | None:
+    try:
+        return json.loads((run_dir / "pids.json").read_text())[role]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+class Chaos(threading.Thread):
+    def __init__(self, run_dir: str | Path, plan: list[tuple[str, int]], seed: int = 0, deadline: float = 600):
+        super().__init__(daemon=True, name="chaos")
+        self.run_dir, self.plan, self.deadline = Path(run_dir), plan, deadline
+        self.rng = random.Random(seed)
+        self.kills: list[dict] = []  # role, pid, step, time (time.time()) of each kill done
+
+    def run(self) -> None:
+        start = time.monotonic()
+        for role, step in self.plan:
+            while steps_recorded(self.run_dir) < step:
+                if time.monotonic() - start > self.deadline:
+                    return
+                time.sleep(0.02)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            killed = {k["pid"] for k in self.kills}
+            while (pid := pid_of(self.run_dir, role)) is None or pid in killed:  # not restarted yet
+                if time.monotonic() - start > self.deadline:
+                    return
+                time.sleep(0.02)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it had just exited
+                continue
+            self.kills.append({"role": role, "pid": pid, "step": steps_recorded(self.run_dir), "time": time.time()})

@@ -1,0 +1,176 @@
+"""Trainer checkpoints: written in the background, checksummed, renamed into place, keep-last-N.
+
+`checkpoints/step_000040/` holds everything needed to continue after 40 trained steps, and is
+itself a plain Hugging Face model directory (config.json, model.safetensors, tokenizer files):
+
+    model.safetensors, config.json, tokenizer*   the policy after `step` updates
+    trainer_state.pt                             optimizer, scheduler, RNG, step
+    manifest.json                                step + sha256 of every other file; written last
+
+Saving copies the state to host memory (the only time training waits), then a thread writes a
+hidden temp directory, fsyncs it and renames it into place: a checkpoint exists completely or
+not at all. A checkpoint whose files do not match its manifest is skipped for the one before it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from asyncrl import weights
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _to_host(obj):
+    """A deep copy with every tensor on the CPU (the state keeps changing while the copy is written)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """At most one checkpoint in flight; `save` returns after the host copy, `wait` after the rename."""
+
+    def __init__(self, run_dir: str | Path, tokenizer, keep: int, deadline: float):
+        self.root = checkpoints_dir(run_dir)
+        self.tokenizer, self.keep, self.deadline = tokenizer, keep, deadline
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.write_seconds: list[float] = []
+
+    def save(self, step: int, model, optimizer, scheduler) -> float:
+        """Snapshot now, write in the background; returns the seconds training was stalled."""
+        start = time.monotonic()
+        self.wait()  # the previous one must be on disk before its successor is started
+        snapshot = {
+            "model": _to_host(weights.model_state(model)),
+            "config": model.config.to_dict(),
+            "trainer": _to_host({"step": step, "optimizer": optimizer.state_dict(),
+                                 "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}),
+        }
+        self.thread = threading.Thread(target=self._write, args=(step, snapshot), daemon=True, name="checkpoint")
+        self.thread.start()
+        return time.monotonic() - start
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join(self.deadline)
+            if self.thread.is_alive():
+                raise TimeoutError(f"trainer: writing a checkpoint to {self.root} took over "
+                                   f"{self.deadline:.0f}s (timeouts.checkpoint)")
+            self.thread = None
+        if self.error is not None:
+            raise RuntimeError(f"trainer: writing a checkpoint failed: {self.error}") from self.error
+
+    def _write(self, step: int, snapshot: dict) -> None:
+        try:
+            start = time.monotonic()
+            final = self.root / f"step_{step:06d}"
+            tmp = self.root / f".tmp_step_{step:06d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(snapshot["model"], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(snapshot["config"], indent=2))
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(snapshot["trainer"], tmp / "trainer_state.pt")
+            files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+            (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
+            for f in tmp.iterdir():
+                with open(f, "rb+") as handle:
+                    os.fsync(handle.fileno())
+            shutil.rmtree(final, ignore_errors=True)  # a replayed step rewrites its checkpoint
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            for old in valid_steps(self.root, verify=False)[:-self.keep]:
+                shutil.rmtree(self.root / f"step_{old:06d}", ignore_errors=True)
+            self.write_seconds.append(time.monotonic() - start)
+        except BaseException as e:  # reported by the next save() or wait() on the training thread
+            self.error = e
+
+
+def valid_steps(root: Path, verify: bool = True) -> list[int]:
+    """Steps of the complete checkpoints under `root`, oldest first."""
+    steps = []
+    for path in sorted(root.glob("step_*")) if root.exists() else []:
+        if not verify or verify_checkpoint(path) is None:
+            steps.append(int(path.name.removeprefix("step_")))
+    return steps
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file matches the manifest; otherwise what is wrong."""
+    manifest = path / "manifest.json"
+    if not manifest.exists():
+        return "no manifest.json (written last, so the checkpoint is incomplete)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest.json: {e}"
+    for name, digest in files.items():
+        if not (path / name).exists():
+            return f"{name} is missing"
+        if _sha256(path / name) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def latest(run_dir: str | Path, log=print) -> Path | None:
+    """The newest checkpoint that verifies; each broken newer one is reported and skipped."""
+    root = checkpoints_dir(run_dir)
+    for path in sorted(root.glob("step_*"), reverse=True) if root.exists() else []:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log(f"checkpoint {path} is corrupt ({problem}); falling back to the one before it")
+    return None
+
+
+def load_trainer_state(path: Path) -> dict:
+    return torch.load(path / "trainer_state.pt", weights_only=False)
+
+
+def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """Copy a verified checkpoint's model files to `out`: a plain HF model directory."""
+    root = checkpoints_dir(run_dir)
+    path = root / f"step_{step:06d}" if step is not None else latest(run_dir)
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"no checkpoint {'step ' + str(step) if step is not None else ''} in {root}")
+    problem = verify_checkpoint(path)
+    if problem:
+        raise ValueError(f"checkpoint {path} is corrupt: {problem}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name not in ("trainer_state.pt", "manifest.json"):
+            shutil.copy2(f, out / f.name)
+    return out

@@ -1,0 +1,34 @@
+"""Heartbeats: each role touches `heartbeats/<role>` from its main loop; the supervisor reads the
+file's age. A role that is alive but stuck stops beating and is restarted like a dead one."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def heartbeat_file(run_dir: str | Path, role: str) -> Path:
+    return Path(run_dir) / "heartbeats" / role
+
+
+class Heartbeat:
+    def __init__(self, run_dir: str | Path, role: str, every: float = 1.0):
+        self.path = heartbeat_file(run_dir, role)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.every, self.last = every, 0.0
+        self.beat(force=True)
+
+    def beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            self.path.touch()
+            os.utime(self.path)
+            self.last = now
+
+
+def age(run_dir: str | Path, role: str) -> float | None:
+    """Seconds since the role's last beat; None before its first."""
+    try:
+        return time.time() - heartbeat_file(run_dir, role).stat().st_mtime
+    except FileNotFoundError:
+        return None

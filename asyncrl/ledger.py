@@ -1,0 +1,211 @@
+"""The sample ledger: one SQLite database (WAL) per run, `runs/<name>/ledger.db`.
+
+It is the truth about every prompt and sample; the orchestrator is its only writer, and every
+state change is one transaction, so a SIGKILL at any moment leaves a consistent ledger.
+
+    prompt:  in_flight ─→ finished            (its samples recorded, in one transaction)
+                      └→ dropped              (malformed row, empty or over-long prompt)
+    sample:  ready ─→ batched (step k) ─→ committed (a durable checkpoint contains step k)
+               └──────────┴→ dropped (too_stale, verifier_error, aborted; with the reason)
+
+A batch becomes `committed` only once the checkpoint that contains its update is durable
+(`commit_through`); batches after the last checkpoint stay `batched` and are trained again from
+the same file after a trainer restart. On restart the orchestrator rebuilds its whole state from
+here: the dataset cursor, the prompts to re-issue, the ready pool, the staleness gate, the metrics.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from dataclasses import asdict
+from pathlib import Path
+
+from asyncrl import weights
+from asyncrl.trajectory import Trajectory
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS prompts (
+    prompt_id INTEGER PRIMARY KEY, state TEXT NOT NULL, attempts INTEGER NOT NULL, reason TEXT);
+CREATE TABLE IF NOT EXISTS samples (
+    id TEXT PRIMARY KEY, prompt_id INTEGER NOT NULL, state TEXT NOT NULL, step INTEGER,
+    position INTEGER, oldest_version INTEGER, reward REAL, reason TEXT, data TEXT);
+CREATE INDEX IF NOT EXISTS samples_state ON samples (state, step);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY, state TEXT NOT NULL, digest TEXT NOT NULL, stats TEXT NOT NULL,
+    metrics TEXT);
+CREATE TABLE IF NOT EXISTS evals (version INTEGER PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def ledger_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ledger.db"
+
+
+def batch_digest(sample_ids: list[str]) -> str:
+    """What the trainer and the ledger both compute for a batch: equal iff the same samples in the same order."""
+    return hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()
+
+
+class Ledger:
+    def __init__(self, run_dir: str | Path, timeout: float = 30.0):
+        self.db = sqlite3.connect(ledger_path(run_dir), timeout=timeout, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a committed transaction survives a power cut
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _tx(self, statements: list[tuple[str, tuple]]) -> None:
+        with self.db:  # BEGIN … COMMIT, or ROLLBACK on error
+            self.db.execute("BEGIN IMMEDIATE")
+            for sql, args in statements:
+                self.db.execute(sql, args)
+
+    def _one(self, sql: str, args: tuple = ()):
+        return self.db.execute(sql, args).fetchone()
+
+    # --- meta ---------------------------------------------------------------------------
+    def get(self, key: str, default=None):
+        row = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return json.loads(row[0]) if row else default
+
+    def put(self, key: str, value) -> None:
+        self._tx([("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))])
+
+    # --- prompts ------------------------------------------------------------------------
+    def dispatch(self, prompt_id: int) -> None:
+        """A group of samples of this prompt is being generated (again, after a restart)."""
+        self._tx([("INSERT INTO prompts VALUES (?, 'in_flight', 1, NULL) "
+                   "ON CONFLICT (prompt_id) DO UPDATE SET attempts = attempts + 1", (prompt_id,))])
+
+    def drop_prompt(self, prompt_id: int, reason: str) -> None:
+        self._tx([("INSERT OR REPLACE INTO prompts VALUES (?, 'dropped', 0, ?)", (prompt_id, reason))])
+
+    def finish(self, prompt_id: int, group: list[Trajectory], dropped: list[tuple[str, str]],
+               meta: dict | None = None) -> None:
+        """The group's scored samples (state ready), its unusable ones (id, reason), and any
+        orchestrator state that changed with it (e.g. a running baseline), atomically."""
+        rows = [("INSERT INTO samples VALUES (?, ?, 'ready', NULL, NULL, ?, ?, NULL, ?)",
+                 (t.id, prompt_id, t.oldest_version, t.reward, json.dumps(asdict(t)))) for t in group]
+        rows += [("INSERT INTO samples VALUES (?, ?, 'dropped', NULL, NULL, NULL, NULL, ?, NULL)",
+                  (sample_id, prompt_id, reason)) for sample_id, reason in dropped]
+        rows += [("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v))) for k, v in (meta or {}).items()]
+        self._tx([*rows, ("UPDATE prompts SET state = 'finished' WHERE prompt_id = ?", (prompt_id,))])
+
+    def next_prompt_id(self) -> int:
+        return self._one("SELECT COALESCE(MAX(prompt_id) + 1, 0) FROM prompts")[0]
+
+    def in_flight(self) -> list[int]:
+        return [r[0] for r in self.db.execute("SELECT prompt_id FROM prompts WHERE state = 'in_flight' ORDER BY prompt_id")]
+
+    def live_groups(self) -> int:
+        """Groups holding a staleness-gate slot: in flight, or with samples that will be trained."""
+        return self._one(
+            "SELECT (SELECT COUNT(*) FROM prompts WHERE state = 'in_flight') + "
+            "(SELECT COUNT(DISTINCT prompt_id) FROM samples WHERE state IN ('ready', 'batched', 'committed'))"
+        )[0]
+
+    # --- samples and batches ------------------------------------------------------------
+    def ready_groups(self) -> list[list[Trajectory]]:
+        groups: dict[int, list[Trajectory]] = {}
+        for prompt_id, data in self.db.execute("SELECT prompt_id, data FROM samples WHERE state = 'ready' ORDER BY rowid"):
+            groups.setdefault(prompt_id, []).append(Trajectory(**json.loads(data)))
+        return list(groups.values())
+
+    def drop_group(self, group: list[Trajectory], reason: str) -> None:
+        self._tx([("UPDATE samples SET state = 'dropped', reason = ? WHERE id = ? AND state = 'ready'", (reason, t.id))
+                  for t in group])
+
+    def batch(self, step: int, trajs: list[Trajectory], stats: dict) -> str:
+        """Batch `step` is these samples, in this order; returns its digest."""
+        digest = batch_digest([t.id for t in trajs])
+        rows = [("UPDATE samples SET state = 'batched', step = ?, position = ? WHERE id = ? AND state = 'ready'",
+                 (step, i, t.id)) for i, t in enumerate(trajs)]
+        self._tx([*rows, ("INSERT INTO steps VALUES (?, 'batched', ?, ?, NULL)", (step, digest, json.dumps(stats)))])
+        return digest
+
+    def batched_steps(self) -> list[int]:
+        return [r[0] for r in self.db.execute("SELECT step FROM steps ORDER BY step")]
+
+    def batch_samples(self, step: int) -> list[Trajectory]:
+        return [Trajectory(**json.loads(r[0])) for r in self.db.execute(
+            "SELECT data FROM samples WHERE step = ? ORDER BY position", (step,))]
+
+    def step_stats(self, step: int) -> dict:
+        row = self._one("SELECT stats FROM steps WHERE step = ?", (step,))
+        return json.loads(row[0]) if row else {}
+
+    def commit_through(self, checkpoint_step: int) -> int:
+        """Steps < checkpoint_step are in a durable checkpoint: their samples are committed."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            n = self.db.execute("UPDATE samples SET state = 'committed' WHERE state = 'batched' AND step < ?",
+                                (checkpoint_step,)).rowcount
+            self.db.execute("UPDATE steps SET state = 'committed' WHERE state = 'batched' AND step < ?", (checkpoint_step,))
+        return n
+
+    # --- metrics ------------------------------------------------------------------------
+    def record_step(self, version: int, metrics: dict) -> None:
+        """Version `version` is served and step version−1's metrics are final, atomically."""
+        self._tx([("UPDATE steps SET metrics = ? WHERE step = ?", (json.dumps(metrics), version - 1)),
+                  ("INSERT OR REPLACE INTO meta VALUES ('served_version', ?)", (json.dumps(version),))])
+
+    def record_eval(self, record: dict) -> None:
+        self._tx([("INSERT OR REPLACE INTO evals VALUES (?, ?)", (record["eval_version"], json.dumps(record)))])
+
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl's lines, in order: each recorded step, and each evaluation after the step it follows."""
+        steps = [json.loads(r[0]) for r in self.db.execute("SELECT metrics FROM steps WHERE metrics IS NOT NULL ORDER BY step")]
+        evals = [json.loads(r[0]) for r in self.db.execute("SELECT record FROM evals ORDER BY version")]
+        return sorted(steps + evals, key=lambda r: (r.get("version", r.get("eval_version")), "eval_version" in r))
+
+
+def audit(run_dir: str | Path, max_staleness: int) -> dict:
+    """Counts that prove nothing was lost or used twice; `problems` lists every violation found."""
+    db = sqlite3.connect(f"file:{ledger_path(run_dir)}?mode=ro", uri=True)
+    count = lambda sql, args=(): db.execute(sql, args).fetchone()[0]  # noqa: E731
+    states = dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
+    reasons = dict(db.execute("SELECT reason, COUNT(*) FROM samples WHERE state = 'dropped' GROUP BY reason").fetchall())
+    prompt_reasons = dict(db.execute("SELECT reason, COUNT(*) FROM prompts WHERE state = 'dropped' GROUP BY reason").fetchall())
+    out = {
+        "prompts": count("SELECT COUNT(*) FROM prompts"),
+        "prompts_in_flight": count("SELECT COUNT(*) FROM prompts WHERE state = 'in_flight'"),
+        "prompts_dropped": prompt_reasons,
+        "reissued_prompts": count("SELECT COUNT(*) FROM prompts WHERE attempts > 1"),
+        "samples": sum(states.values()),
+        "samples_by_state": states,
+        "samples_dropped": reasons,
+        "steps": count("SELECT COUNT(*) FROM steps"),
+        "steps_committed": count("SELECT COUNT(*) FROM steps WHERE state = 'committed'"),
+    }
+    problems = []
+    gaps = count("SELECT COUNT(*) FROM prompts p WHERE p.state = 'finished' AND NOT EXISTS "
+                 "(SELECT 1 FROM samples s WHERE s.prompt_id = p.prompt_id)")
+    if gaps:
+        problems.append(f"{gaps} finished prompts have no samples recorded")
+    holes = count("SELECT MAX(prompt_id) + 1 - COUNT(*) FROM prompts") or 0
+    if holes:
+        problems.append(f"{holes} prompt ids between 0 and the cursor were never dispatched")
+    stale = count("SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND step - oldest_version > ?", (max_staleness,))
+    if stale:
+        problems.append(f"{stale} trained samples exceed max_staleness = {max_staleness}")
+    for step, digest in db.execute("SELECT step, digest FROM steps").fetchall():
+        ids = [r[0] for r in db.execute("SELECT id FROM samples WHERE step = ? ORDER BY position", (step,))]
+        if batch_digest(ids) != digest:
+            problems.append(f"batch {step} in the ledger does not match its digest")
+        marker = weights.read_marker(run_dir, step + 1)
+        if marker is not None and marker.get("batch_digest") != digest:
+            problems.append(f"version {step + 1} was trained on a batch other than the ledger's batch {step}")
+    out["stale_samples_trained"] = stale
+    # what the trainer actually read: no sample may be in two batch files
+    ids = [json.loads(line)["id"] for f in sorted((Path(run_dir) / "batches").glob("step_*.jsonl"))
+           for line in f.read_text().splitlines() if line.strip()]
+    out["trained_twice"] = len(ids) - len(set(ids))
+    if out["trained_twice"]:
+        problems.append(f"{out['trained_twice']} samples appear in more than one batch")
+    out["problems"] = problems
+    db.close()
+    return out

@@ -1,0 +1,47 @@
+"""User code that misbehaves, for the fault and bad-input tests (imported by role processes)."""
+import os
+import time
+from pathlib import Path
+
+from reasoning_gym.utils import compute_decimal_reward
+
+from asyncrl.objectives.ppo_clip import loss as ppo_clip
+
+calls = 0
+
+
+def flaky_verifier(completion: str, entry: dict) -> float:
+    """Raises on every third item."""
+    if entry["metadata"]["source_index"] % 3 == 0:
+        raise ValueError(f"cannot parse {completion!r}")
+    return compute_decimal_reward(completion.strip(), oracle_answer=entry["answer"])
+
+
+def hang_or_nan_verifier(completion: str, entry: dict) -> float:
+    """Hangs on every fifth item, answers NaN on the next one, scores the rest."""
+    index = entry["metadata"]["source_index"]
+    if index % 5 == 0:
+        time.sleep(3600)
+    if index % 5 == 1:
+        return float("nan")
+    return compute_decimal_reward(completion.strip(), oracle_answer=entry["answer"])
+
+
+def nan_every_other_loss(inp, cfg):
+    global calls
+    calls += 1
+    per_token, metrics = ppo_clip(inp, cfg)
+    return (per_token * float("nan") if calls % 2 == 0 else per_token), metrics
+
+
+def exploding_loss(inp, cfg):
+    raise RuntimeError("objective exploded")
+
+
+def hang_once_loss(inp, cfg):
+    """The first trainer process to call it hangs; after a restart it trains normally."""
+    flag = Path(os.environ["ASYNCRL_TEST_FLAG"])
+    if not flag.exists():
+        flag.touch()
+        time.sleep(3600)
+    return ppo_clip(inp, cfg)
