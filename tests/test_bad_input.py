@@ -1,12 +1,15 @@
 """Bad input gets a clear error naming what is wrong, and nothing hangs."""
 import json
+import math
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from asyncrl.events import read_events
 from asyncrl.launcher import prepare_run_dir, train
+from asyncrl.weights import read_marker
 from conftest import job_config
 
 
@@ -60,3 +63,51 @@ def test_silent_inference_server_fails_the_orchestrator_within_its_deadline(tmp_
     assert time.monotonic() - start < 30
     assert f"inference server {url} not healthy after 3s" in out.stderr
     listener.close()
+
+
+def test_bad_dataset_rows_are_dropped_with_their_reason(tiny_model, tmp_path):
+    """Malformed JSON, a row without an answer, an empty and an over-long prompt: each is skipped and recorded."""
+    rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(1, 9) for b in range(3)]
+    rows[2] = '{"prompt": "1+1=", "answer": '  # cut off mid-row
+    rows[5] = json.dumps({"prompt": "2+2="})
+    rows[7] = json.dumps({"prompt": "   ", "answer": "0"})
+    rows[11] = json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    cfg = job_config(tmp_path, tiny_model, **{"task.name": "jsonl", "task.path": str(data), "task.eval_path": str(data),
+                                              "inference.max_prompt_tokens": 32, "run.steps": 4})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    events = [e for e in read_events(run_dir) if e["event"] == "prompt_dropped"]
+    errors = {e["prompt_id"] % len(rows): e["error"] for e in events}
+    assert "row 3 is not valid JSON" in errors[2]
+    assert "row 6 needs a string 'prompt' and an 'answer'" in errors[5]
+    assert "row 8 has an empty prompt" in errors[7]
+    assert "has 83 tokens; inference.max_prompt_tokens is 32" in errors[11]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ledger"]["prompts_dropped"]["bad_row"] == len(events) and summary["ledger"]["problems"] == []
+    assert summary["steps"] == 4 and summary["eval_accuracy_final"] is not None
+
+
+def test_verifier_that_hangs_or_returns_nan(tiny_model, tmp_path, tests_on_path):
+    """A hung verifier is killed at its deadline, a NaN reward is refused; those samples are dropped."""
+    cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "faulty:hang_or_nan_verifier", "run.steps": 3,
+                                              "timeouts.verifier": 1.0, "task.eval_size": 0})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    dropped = [e for e in read_events(run_dir) if e.get("reason") == "verifier_error"]
+    hung = [e for e in dropped if "took over 1s (timeouts.verifier); its process was killed" in e["error"]]
+    nan = [e for e in dropped if "verifier returned nan, not a finite number" in e["error"]]
+    assert hung and nan and len(hung) + len(nan) == len(dropped)
+    assert {e["prompt_id"] % 5 for e in hung} == {0} and {e["prompt_id"] % 5 for e in nan} == {1}
+    ledger = json.loads((run_dir / "summary.json").read_text())["ledger"]
+    assert ledger["samples_dropped"]["verifier_error"] == len(dropped) and ledger["problems"] == []
+
+
+def test_nonfinite_loss_skips_the_update_and_keeps_the_weights(tiny_model, tmp_path, tests_on_path):
+    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:nan_every_other_loss", "run.steps": 4,
+                                              "trainer.keep_weight_versions": 10, "task.eval_size": 0})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    markers = [read_marker(run_dir, v) for v in range(1, 5)]
+    assert [m["skipped_nonfinite"] for m in markers] == [0, 1, 0, 1]
+    assert markers[1]["hash"] == markers[0]["hash"] and markers[3]["hash"] == markers[2]["hash"]
+    assert markers[2]["hash"] != markers[1]["hash"]
+    assert all(math.isnan(m["loss"]) for m in markers[1::2])

@@ -177,9 +177,11 @@ class Orchestrator:
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)
 
-    def _prompt(self, index: int) -> tuple[dict, list[int]]:
-        entry = self.tasks.item(index)
-        prompt = self.tokenizer(self.tasks.prompt(entry))["input_ids"]
+    def _prompt(self, index: int, tasks: TaskSource | None = None) -> tuple[dict, list[int]]:
+        """(item, prompt token ids); BadTaskRow if the item is malformed, empty or too long to serve."""
+        tasks = tasks or self.tasks
+        entry = tasks.item(index)
+        prompt = self.tokenizer(tasks.prompt(entry))["input_ids"]
         limit = self.cfg.inference.max_prompt_tokens
         if len(prompt) > limit:
             raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
@@ -339,8 +341,8 @@ class Orchestrator:
         entries, prompts = [], []
         for i in range(n):
             try:
-                entry = self.eval_tasks.item(i)
-                prompts.append(self.tokenizer(self.eval_tasks.prompt(entry))["input_ids"])
+                entry, prompt = self._prompt(i, self.eval_tasks)
+                prompts.append(prompt)
                 entries.append(entry)
             except BadTaskRow:  # a bad held-out row is left out of the denominator
                 continue

@@ -1,6 +1,7 @@
 """One group: G samples of one prompt, scored by the task's verifier."""
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -27,13 +28,16 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
     started = time.monotonic()
     choices = await client.complete([prompt], ro.group_size, ro.max_tokens, ro.temperature, ro.top_p)
     generated = time.monotonic()
+    live = [c for c in choices if c["finish_reason"] != "abort"]
+    scores = dict(zip(map(id, live), await asyncio.gather(
+        *(score(verifiers, c["text"], entry, cfg.timeouts.verifier) for c in live))))
     scored, dropped = [], []
     for k, choice in enumerate(choices):
         sample_id = f"{index}-{k}"
         if choice["finish_reason"] == "abort":  # cut short by /abort: not a sample of the policy
             dropped.append({"id": sample_id, "reason": "aborted", "prompt_id": index})
             continue
-        reward, error = await score(verifiers, choice["text"], entry, cfg.timeouts.verifier)
+        reward, error = scores[id(choice)]
         if error is not None:
             dropped.append({"id": sample_id, "reason": "verifier_error", "error": error, "prompt_id": index,
                             "completion": choice["text"]})

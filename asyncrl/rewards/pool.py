@@ -12,6 +12,9 @@ import multiprocessing
 from asyncrl.config import TaskConfig
 
 
+STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
+
+
 class VerifierError(RuntimeError):
     pass
 
@@ -21,6 +24,7 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
     from asyncrl.rewards.tasks import TaskSource
 
     tasks = TaskSource(task_cfg)
+    conn.send("ready")  # imports can take seconds: they must not count against a verifier's deadline
     while True:
         try:
             completion, entry = conn.recv()
@@ -38,6 +42,7 @@ class _Worker:
         self.process = ctx.Process(target=_serve, args=(task_cfg, child), daemon=True, name="verifier")
         self.process.start()
         child.close()
+        self.ready = False
 
     def kill(self) -> None:
         self.process.kill()
@@ -48,7 +53,11 @@ class _Worker:
 class VerifierPool:
     def __init__(self, task_cfg: TaskConfig, workers: int):
         self.task_cfg, self.size = task_cfg, workers
-        self.ctx = multiprocessing.get_context("spawn")  # no fork of a process that has threads
+        # A fork server forks workers from a clean process that has already imported the task code:
+        # a replacement is ready in milliseconds, and nothing forks this threaded process.
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["asyncrl.rewards.tasks", *([task_cfg.verifier.partition(":")[0]]
+                                                                     if task_cfg.verifier else [])])
         self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
         for _ in range(workers):
             self.idle.put_nowait(_Worker(self.ctx, task_cfg))
@@ -58,6 +67,8 @@ class VerifierPool:
         """The reward; VerifierError if the verifier raised, hung past `timeout` or died."""
         worker = await self.idle.get()
         try:
+            if not worker.ready:
+                await self._started(worker)
             worker.conn.send((completion, entry))
             ok, value = await asyncio.wait_for(self._receive(worker), timeout)
         except asyncio.TimeoutError:
@@ -75,6 +86,15 @@ class VerifierPool:
         if not ok:
             raise VerifierError(value)
         return value
+
+    async def _started(self, worker: _Worker) -> None:
+        try:
+            hello = await asyncio.wait_for(self._receive(worker), STARTUP_DEADLINE)
+        except asyncio.TimeoutError:
+            raise VerifierError(f"a verifier process did not start within {STARTUP_DEADLINE:.0f}s") from None
+        if hello != "ready":
+            raise VerifierError(f"a verifier process failed to start: {hello}")
+        worker.ready = True
 
     async def _receive(self, worker: _Worker):
         loop = asyncio.get_running_loop()
