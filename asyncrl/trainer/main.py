@@ -99,6 +99,7 @@ def main(run_dir: str) -> None:
     writer = checkpoint.CheckpointWriter(run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint)
     busy = idle = 0.0
     heartbeat = Heartbeat(run_dir, "trainer")  # from here on a silent trainer is a stuck one
+    events.write("trainer_ready", step=first_step)
     print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}, "
           f"steps {first_step}..{cfg.run.steps}", flush=True)
     for step in range(first_step, cfg.run.steps):
