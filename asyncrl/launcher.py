@@ -233,7 +233,9 @@ class Progress:
 
     def __init__(self, run_dir: Path, steps: int, out=sys.stdout):
         self.path, self.steps, self.out = run_dir / "metrics.jsonl", steps, out
-        self.offset, self.step, self.eval = 0, None, None
+        # a resumed run's earlier steps were shown by the launch that ran them
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.step, self.eval = None, None
         self.tty = out.isatty()
 
     def poll(self) -> None:
