@@ -30,9 +30,11 @@ def pid_of(run_dir: Path, role: str) -> int | None:
 
 
 class Chaos(threading.Thread):
-    def __init__(self, run_dir: str | Path, plan: list[tuple[str, int]], seed: int = 0, deadline: float = 600):
+    def __init__(self, run_dir: str | Path, plan: list[tuple[str, int]], seed: int = 0, deadline: float = 600,
+                 min_gap: float = 0.0):
         super().__init__(daemon=True, name="chaos")
         self.run_dir, self.plan, self.deadline = Path(run_dir), plan, deadline
+        self.min_gap = min_gap  # seconds between kills, so that each recovery is measured on its own
         self.rng = random.Random(seed)
         self.kills: list[dict] = []  # role, pid, step, time (time.time()) of each kill done
 
@@ -43,6 +45,8 @@ class Chaos(threading.Thread):
                 if time.monotonic() - start > self.deadline:
                     return
                 time.sleep(0.02)
+            if self.kills:
+                time.sleep(max(0.0, self.kills[-1]["time"] + self.min_gap - time.time()))
             time.sleep(self.rng.uniform(0.0, 0.5))
             killed = {k["pid"] for k in self.kills}
             while (pid := pid_of(self.run_dir, role)) is None or pid in killed:  # not restarted yet

@@ -156,18 +156,24 @@ class Supervisor:
         self.restarts = {role: 0 for role in ROLES}
         self.started: dict[str, float] = {}
         self.events = EventLog(run_dir, "supervisor")
+        self.spare: subprocess.Popen | None = None  # asyncrl/standby.py, see run.warm_spare
+        self.spare_failed = False
 
     def start(self, role: str) -> None:
         threads = 1 if role == "orchestrator" else self.cfg.role_threads(role)
+        env = {}
         if role == "inference":
-            port = _previous_port(self.run_dir)
-            if self.cfg.inference.engine == "vllm":
-                self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, port)
-            else:
-                self.procs[role] = start_role(role, self.run_dir, threads, ASYNCRL_INFERENCE_PORT=str(port),
-                                              ASYNCRL_INCARNATION=str(self.restarts[role]))
+            env = {"ASYNCRL_INFERENCE_PORT": str(_previous_port(self.run_dir)),
+                   "ASYNCRL_INCARNATION": str(self.restarts[role])}
+        if role == "inference" and self.cfg.inference.engine == "vllm":
+            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, int(env["ASYNCRL_INFERENCE_PORT"]))
+        elif self.spare is not None and self.spare.poll() is None:
+            order = {"role": role, "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+            self.spare.stdin.write(json.dumps(order) + "\n")
+            self.spare.stdin.close()
+            self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
         else:
-            self.procs[role] = start_role(role, self.run_dir, threads)
+            self.procs[role] = start_role(role, self.run_dir, threads, **env)
         self.started[role] = time.monotonic()
         pids = {r: p.pid for r, p in self.procs.items()}
         (self.run_dir / "pids.json.tmp").write_text(json.dumps(pids))
@@ -181,8 +187,25 @@ class Supervisor:
         self.start("trainer")
         self.start("orchestrator")
 
+    def _start_spare_when_settled(self) -> None:
+        """A spare importing torch slows every role's start on a small machine: it waits for their first beats."""
+        if self.spare is not None and self.spare.poll() is not None:  # it died on its own: go cold from now on
+            self.log(f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
+                     "restarts will start cold")
+            self.spare, self.spare_failed = None, True
+        beating = [r for r in self.procs if not (r == "inference" and self.cfg.inference.engine == "vllm")]
+        wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
+                                                         and any(self.restarts.values()))
+        if wanted and not self.spare_failed and self.spare is None and all(heartbeat.age(self.run_dir, r) is not None
+                                                                   for r in beating):
+            log = open(self.run_dir / "logs" / "standby.log", "a")
+            self.spare = subprocess.Popen([sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
+                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          env=_role_env(1), start_new_session=True)
+
     def finished(self) -> bool:
         """Check every role once; True when the trainer and the orchestrator have both completed."""
+        self._start_spare_when_settled()
         for role, proc in self.procs.items():
             code = proc.poll()
             if code == 0 and role != "inference":
@@ -218,7 +241,7 @@ class Supervisor:
         self.start(role)
 
     def stop(self) -> None:
-        stop(self.procs)
+        stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
 
 
 def _previous_port(run_dir: Path) -> int:

@@ -5,15 +5,17 @@ For each model (the tiny default, ~1M params, and a ~20M-param Llama of the same
 1. Checkpoint stall, in process: the seconds `CheckpointWriter.save` blocks training (the copy to
    host memory) next to the seconds a synchronous checkpoint would (the whole write, fsync and
    rename), median of 5, with the model's Adam state in place.
-2. Mean time to recovery per role: one asynchronous run (max_staleness 1) in which each role is
-   SIGKILLed twice at random moments (asyncrl/chaos.py). For every kill: when the supervisor
-   noticed, when the role was back (trainer: in its training loop again; inference: serving the
-   run's version again; orchestrator: state rebuilt from the ledger), and how much longer than a
-   normal step the run went without a new version.
+2. Mean time to recovery per role: asynchronous runs (max_staleness 1) in which each role is
+   SIGKILLed twice at random moments (asyncrl/chaos.py), once with cold restarts (a new Python
+   process) and once with the warm spare (run.warm_spare = always: a process that imported
+   everything beforehand). For every kill: when the supervisor noticed, when the role was back (trainer: in
+   its training loop again; inference: serving the run's version again; orchestrator: state
+   rebuilt from the ledger), and how much longer than a normal step the run went without a new
+   version.
 
 Prints a table, writes benchmarks/results/recovery.{json,png}.
 
-    python benchmarks/recovery.py [--steps 42] [--models tiny 20M]
+    python benchmarks/recovery.py [--steps N] [--models tiny 20M]
 """
 from __future__ import annotations
 
@@ -70,17 +72,16 @@ def checkpoint_stall(path: str, repeats: int = 5) -> dict:
             "stall_fraction_of_sync": round(stall / write, 3)}
 
 
-def chaos_run(name: str, model_path: str, steps: int, root: Path) -> dict:
-    spacing = steps // 7
-    plan = [(role, spacing * (i + 1)) for i, role in enumerate(ROLES * 2)]
+def chaos_run(name: str, model_path: str, steps: int, root: Path, warm: bool) -> dict:
+    plan = [(role, 2 + i) for i, role in enumerate(ROLES * 2)]  # spaced in time by Chaos.min_gap
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--run.root", str(root), "--run.name", name,
            "--run.overwrite", "true", "--model.path", model_path, "--run.steps", str(steps),
            "--rollout.prompts_per_step", "8", "--rollout.group_size", "4", "--trainer.checkpoint_every", "5",
-           "--task.eval_size", "0", "--run.max_restarts", "3"]
+           "--task.eval_size", "0", "--run.max_restarts", "3", "--run.warm_spare", "always" if warm else "off"]
     run_dir = root / name
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(2)
-    chaos = Chaos(run_dir, plan, seed=0)
+    chaos = Chaos(run_dir, plan, seed=0, min_gap=15.0)  # each recovery measured on its own
     chaos.start()
     _, err = proc.communicate(timeout=3600)
     if proc.returncode != 0:
@@ -131,26 +132,34 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(results)
-    for i, (name, r) in enumerate(results.items()):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    cells = [(name, start) for name in results for start in ("cold", "warm")]
+    width = 0.8 / len(cells)
+    for i, (name, start) in enumerate(cells):
+        r = results[name][start]
         xs = [j + i * width for j in range(len(ROLES))]
-        a.bar(xs, [r["mttr_s"][role] or 0 for role in ROLES], width, label=f"{name}: run stalled")
+        a.bar(xs, [r["mttr_s"][role] or 0 for role in ROLES], width, label=f"{name}, {start} restart")
         a.scatter(xs, [r["role_ready_s"][role] or 0 for role in ROLES], color="k", zorder=3, s=12)
-    a.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(ROLES))], ROLES)
-    a.set(ylabel="seconds after SIGKILL", title="time to recovery per role (dots: role back)")
-    a.legend()
+    a.set_xticks([j + width * (len(cells) - 1) / 2 for j in range(len(ROLES))], ROLES)
+    a.set(ylabel="seconds after SIGKILL", title="run stalled per killed role (dots: role back)")
+    a.legend(fontsize=8)
     names = list(results)
     b.bar([n + "\nsync" for n in names], [results[n]["checkpoint"]["sync_write_s"] for n in names], color="tab:red")
-    b.bar([n + "\nasync" for n in names], [results[n]["checkpoint"]["stall_s"] for n in names], color="tab:green")
-    b.set(ylabel="seconds training waits per checkpoint", title="checkpoint stall: synchronous write vs background")
+    b.bar([n + "\nbackground" for n in names], [results[n]["checkpoint"]["stall_s"] for n in names], color="tab:green")
+    b.set(ylabel="seconds training waits per checkpoint", title="checkpoint stall")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
+def summarize(run: dict) -> dict:
+    return {**run, "mttr_s": per_role(run["kills"], "stall_s"), "detected_s": per_role(run["kills"], "detected_s"),
+            "role_ready_s": per_role(run["kills"], "role_ready_s")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=42)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default: enough for six kills 15 s apart: tiny 700, 20M 110)")
     parser.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
     parser.add_argument("--tiny-model", default="models/tiny-chain-sum")
     args = parser.parse_args()
@@ -161,26 +170,32 @@ def main() -> None:
     results = {}
     for name in args.models:
         print(f"=== {name}: checkpoint stall", flush=True)
-        stall = checkpoint_stall(paths[name])
-        print(f"=== {name}: chaos run, {args.steps} steps, each role killed twice", flush=True)
-        run = chaos_run(f"recovery-{name}", paths[name], args.steps, root)
-        results[name] = {"checkpoint": stall, **run, "mttr_s": per_role(run["kills"], "stall_s"),
-                         "detected_s": per_role(run["kills"], "detected_s"),
-                         "role_ready_s": per_role(run["kills"], "role_ready_s")}
-    print("\n| model | params | role killed | noticed after (s) | role back after (s) | run stalled (s) | normal step (s) |")
+        results[name] = {"checkpoint": checkpoint_stall(paths[name])}
+        for start in ("cold", "warm"):
+            steps = args.steps or {"tiny": 700, "20M": 110}[name]
+            print(f"=== {name}: {steps} steps, each role killed twice, {start} restarts", flush=True)
+            run = chaos_run(f"recovery-{name}-{start}", paths[name], steps, root, warm=start == "warm")
+            results[name][start] = summarize(run)
+    print("\n| model | role killed | noticed after (s) | role back, cold / warm (s) | run stalled, cold / warm (s) "
+          "| speed-up | normal step (s) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        cold, warm = r["cold"], r["warm"]
         for role in ROLES:
-            print(f"| {name} | {r['checkpoint']['params'] / 1e6:.1f}M | {role} | {r['detected_s'][role]} | "
-                  f"{r['role_ready_s'][role]} | {r['mttr_s'][role]} | {r['median_step_s']} |")
+            ratio = (cold["mttr_s"][role] / warm["mttr_s"][role]) if warm["mttr_s"][role] else float("nan")
+            print(f"| {name} ({r['checkpoint']['params'] / 1e6:.1f}M) | {role} | {cold['detected_s'][role]} | "
+                  f"{cold['role_ready_s'][role]} / {warm['role_ready_s'][role]} | "
+                  f"{cold['mttr_s'][role]} / {warm['mttr_s'][role]} | {ratio:.1f}x | {cold['median_step_s']} |")
     print("\n| model | checkpoint stall, background (s) | synchronous write (s) | ratio | in-run stall (s) | train step (s) |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         c = r["checkpoint"]
         print(f"| {name} | {c['stall_s']} | {c['sync_write_s']} | {c['stall_fraction_of_sync']} | "
-              f"{r['in_run_checkpoint_stall_s']} | {r['mean_train_step_s']} |")
+              f"{r['warm']['in_run_checkpoint_stall_s']} | {r['warm']['mean_train_step_s']} |")
     for name, r in results.items():
-        print(f"{name}: ledger problems {r['ledger']['problems']}, samples {r['ledger']['samples_by_state']}")
+        for start in ("cold", "warm"):
+            ledger = r[start]["ledger"]
+            print(f"{name} {start}: ledger problems {ledger['problems']}, samples {ledger['samples_by_state']}")
     OUT.mkdir(exist_ok=True)
     (OUT / "recovery.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "recovery.png")

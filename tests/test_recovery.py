@@ -105,7 +105,8 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
 
 
 def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_path, tests_on_path):
-    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:exploding_loss", "run.max_restarts": 1})
+    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:exploding_loss", "run.max_restarts": 1,
+                                              "run.warm_spare": "off"})  # the cold restart path
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
     message = str(err.value)

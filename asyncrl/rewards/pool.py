@@ -45,12 +45,14 @@ class _Worker:
         self.ready = False
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.join(5)
+        self.process.kill()  # multiprocessing reaps it later; a join here would block the event loop
         self.conn.close()
 
 
 class VerifierPool:
+    """`workers` slots; a slot's process is started on first use (off the event loop: the first one
+    also starts the fork server, which takes seconds) and again after it had to be killed."""
+
     def __init__(self, task_cfg: TaskConfig, workers: int):
         self.task_cfg, self.size = task_cfg, workers
         # A fork server forks workers from a clean process that has already imported the task code:
@@ -58,28 +60,30 @@ class VerifierPool:
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(["asyncrl.rewards.tasks", *([task_cfg.verifier.partition(":")[0]]
                                                                      if task_cfg.verifier else [])])
-        self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self.idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         for _ in range(workers):
-            self.idle.put_nowait(_Worker(self.ctx, task_cfg))
+            self.idle.put_nowait(None)
         self.replaced = 0
 
     async def score(self, completion: str, entry: dict, timeout: float) -> float:
         """The reward; VerifierError if the verifier raised, hung past `timeout` or died."""
         worker = await self.idle.get()
         try:
+            if worker is None:
+                worker = await asyncio.to_thread(_Worker, self.ctx, self.task_cfg)
             if not worker.ready:
                 await self._started(worker)
             worker.conn.send((completion, entry))
             ok, value = await asyncio.wait_for(self._receive(worker), timeout)
         except asyncio.TimeoutError:
-            worker = self._replace(worker)
+            worker = self._discard(worker)
             raise VerifierError(f"verifier took over {timeout:.0f}s (timeouts.verifier); its process was killed") from None
         except asyncio.CancelledError:  # its answer would reach the next caller: start clean
-            worker = self._replace(worker)
+            worker = self._discard(worker)
             raise
         except (EOFError, OSError) as e:
-            code = worker.process.exitcode
-            worker = self._replace(worker)
+            code = worker.process.exitcode if worker else None
+            worker = self._discard(worker)
             raise VerifierError(f"verifier process died (exit code {code}): {type(e).__name__}") from None
         finally:
             self.idle.put_nowait(worker)
@@ -107,11 +111,15 @@ class VerifierPool:
             loop.remove_reader(fd)
         return worker.conn.recv()
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        worker.kill()
-        self.replaced += 1
-        return _Worker(self.ctx, self.task_cfg)
+    def _discard(self, worker: _Worker | None) -> None:
+        """Kill it; its slot starts a fresh process when next used."""
+        if worker is not None:
+            worker.kill()
+            self.replaced += 1
+        return None
 
     def close(self) -> None:
         while not self.idle.empty():
-            self.idle.get_nowait().kill()
+            worker = self.idle.get_nowait()
+            if worker is not None:
+                worker.kill()
