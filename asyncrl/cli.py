@@ -15,14 +15,18 @@ from asyncrl.config import ConfigError, load_config
 
 
 def _take(args: list[str], flag: str, has_value: bool) -> str | bool | None:
-    """Remove `flag` (and its value) from args; its value, True, or None when absent."""
+    """Remove `flag` (and its value, `--flag v` or `--flag=v`) from args; its value, True, or None when absent."""
     for i, arg in enumerate(args):
-        if arg == flag:
-            del args[i]
-            return args.pop(i) if has_value and i < len(args) else (True if not has_value else None)
         if has_value and arg.startswith(flag + "="):
             del args[i]
             return arg.split("=", 1)[1]
+        if arg == flag:
+            del args[i]
+            if not has_value:
+                return True
+            if i == len(args):
+                raise ConfigError(f"{flag} needs a value")
+            return args.pop(i)
     return None
 
 
@@ -47,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             step = _take(rest, "--step", True)
             if len(rest) != 2:
                 raise ConfigError("usage: asyncrl export RUN_DIR OUT_DIR [--step N]")
+            if step is not None and not step.isdigit():
+                raise ConfigError(f"--step must be a checkpoint's step number, got {step!r}")
             try:
                 out = export(rest[0], rest[1], int(step) if step is not None else None)
-            except ValueError as e:  # a corrupt checkpoint, or a --step that is not a number
+            except ValueError as e:  # a corrupt checkpoint
                 raise ConfigError(str(e)) from None
             print(f"exported to {out}")
             return 0

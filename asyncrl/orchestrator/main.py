@@ -74,10 +74,11 @@ class Orchestrator:
         self.reissue = led.in_flight()  # their generation died with an earlier process
         self.ready: list[list[Trajectory]] = led.ready_groups()
         self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
-        self.next_step = len(led.batched_steps())
+        batched = led.batched_steps()
+        self.next_step = len(batched)
         if isinstance(self.advantages, RunningBaseline):
             self.advantages.value = led.get("baseline")
-        for step in led.batched_steps():  # a crash between the ledger and the file: write it again
+        for step in batched:  # a crash between the ledger and the file: write it again
             if not batch_path(self.run_dir, step).exists():
                 write_batch(self.run_dir, step, led.batch_samples(step))
         newest = checkpoint.latest(self.run_dir, log=lambda m: self.events.write("checkpoint_corrupt", detail=m))
@@ -159,21 +160,25 @@ class Orchestrator:
             )
             if self.assembled:
                 return
-            if self.reissue:
+            reissued = bool(self.reissue)
+            if reissued:
                 index = self.reissue.pop(0)
                 self.events.write("prompt_reissued", prompt_id=index)
             else:
                 index = self.cursor
                 self.cursor += 1
-                try:
-                    self._prompt(index)
-                except BadTaskRow as e:  # the row is skipped, not the run
-                    self.ledger.drop_prompt(index, "bad_row")
-                    self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
-                    continue
+            try:
+                entry, prompt = self._prompt(index)
+            except BadTaskRow as e:  # the row is skipped, not the run
+                if reissued:  # (a re-issued prompt was good before; it held a slot)
+                    self.gate.release()
+                self.ledger.drop_prompt(index, "bad_row")
+                self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
+                continue
+            if not reissued:
                 self.gate.admit()
             self.ledger.dispatch(index)
-            task = asyncio.create_task(self._run_group(index))
+            task = asyncio.create_task(self._run_group(index, entry, prompt))
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)
 
@@ -187,9 +192,8 @@ class Orchestrator:
             raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
         return entry, prompt
 
-    async def _run_group(self, index: int) -> None:
+    async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
         try:
-            entry, prompt = self._prompt(index)
             group, dropped = await self._server(
                 lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg), f"prompt {index}")
         except InferenceUnavailable as e:

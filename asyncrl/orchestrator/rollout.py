@@ -28,16 +28,15 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
     started = time.monotonic()
     choices = await client.complete([prompt], ro.group_size, ro.max_tokens, ro.temperature, ro.top_p)
     generated = time.monotonic()
-    live = [c for c in choices if c["finish_reason"] != "abort"]
-    scores = dict(zip(map(id, live), await asyncio.gather(
-        *(score(verifiers, c["text"], entry, cfg.timeouts.verifier) for c in live))))
+    scores = iter(await asyncio.gather(*(score(verifiers, c["text"], entry, cfg.timeouts.verifier)
+                                         for c in choices if c["finish_reason"] != "abort")))
     scored, dropped = [], []
     for k, choice in enumerate(choices):
         sample_id = f"{index}-{k}"
         if choice["finish_reason"] == "abort":  # cut short by /abort: not a sample of the policy
             dropped.append({"id": sample_id, "reason": "aborted", "prompt_id": index})
             continue
-        reward, error = scores[id(choice)]
+        reward, error = next(scores)
         if error is not None:
             dropped.append({"id": sample_id, "reason": "verifier_error", "error": error, "prompt_id": index,
                             "completion": choice["text"]})

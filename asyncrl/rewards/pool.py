@@ -54,7 +54,7 @@ class VerifierPool:
     also starts the fork server, which takes seconds) and again after it had to be killed."""
 
     def __init__(self, task_cfg: TaskConfig, workers: int):
-        self.task_cfg, self.size = task_cfg, workers
+        self.task_cfg = task_cfg
         # A fork server forks workers from a clean process that has already imported the task code:
         # a replacement is ready in milliseconds, and nothing forks this threaded process.
         self.ctx = multiprocessing.get_context("forkserver")
@@ -63,7 +63,6 @@ class VerifierPool:
         self.idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         for _ in range(workers):
             self.idle.put_nowait(None)
-        self.replaced = 0
 
     async def score(self, completion: str, entry: dict, timeout: float) -> float:
         """The reward; VerifierError if the verifier raised, hung past `timeout` or died."""
@@ -115,7 +114,6 @@ class VerifierPool:
         """Kill it; its slot starts a fresh process when next used."""
         if worker is not None:
             worker.kill()
-            self.replaced += 1
         return None
 
     def close(self) -> None:

@@ -35,9 +35,9 @@ class JsonlRows:
         try:
             self.lines = [line for line in open(path).read().splitlines() if line.strip()]
         except OSError as e:
-            raise ConfigError(f"task file {path!r} cannot be read: {e}") from None
+            raise ConfigError(f"task file {path!r} (task.path / task.eval_path) cannot be read: {e}") from None
         if not self.lines:
-            raise ConfigError(f"task file {path!r} has no rows")
+            raise ConfigError(f"task file {path!r} (task.path / task.eval_path) has no rows")
         self.path = path
 
     def __getitem__(self, index: int) -> dict[str, Any]:

@@ -9,7 +9,6 @@ before the crash.
 """
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from pathlib import Path
@@ -43,8 +42,11 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heart
 
 def restore(run_dir: Path, cfg, events: EventLog):
     """(model, tokenizer, trainer state or None): the newest valid checkpoint, else the initial model."""
-    path = checkpoint.latest(run_dir, log=lambda m: (print(f"trainer: {m}", flush=True),
-                                                     events.write("checkpoint_corrupt", detail=m)))
+    def corrupt(message: str) -> None:
+        print(f"trainer: {message}", flush=True)
+        events.write("checkpoint_corrupt", detail=message)
+
+    path = checkpoint.latest(run_dir, log=corrupt)
     model, tokenizer = load_policy(str(path) if path else cfg.model.path)
     if path is None:
         return model, tokenizer, None
