@@ -49,10 +49,15 @@ class WarmstartConfig(Section):
     heads: int = Field(4, ge=1)
     threads: int = Field(2, ge=1)
     seed: int = 0
+    # "module:function" (or "file.py:function") taking a random.Random and returning one
+    # demonstration conversation {"messages": [...], "tools": [...]}: supervised data for agent
+    # tasks (the policy learns on its replies only). None: the task's prompt -> answer pairs.
+    demos: str | None = None
 
 
 class TaskConfig(Section):
-    # a reasoning-gym dataset name, or "jsonl": rows {"prompt": str, "answer": str} from `path`
+    # a reasoning-gym dataset name; "jsonl": rows {"prompt": str, "answer": str} from `path`; or
+    # "module:function" / "file.py:function": a generator (index, seed) -> {"question", "answer", "metadata"}
     name: str = "chain_sum"
     path: str | None = None
     eval_path: str | None = Field(None, description='held-out rows for name = "jsonl" (none: no evaluation)')
@@ -80,6 +85,23 @@ class RolloutConfig(Section):
     # running_baseline: R − an exponential moving average of past rewards (for group_size 1, SAO)
     advantage: Literal["grpo", "dr_grpo", "rloo", "running_baseline"] = "grpo"
     baseline_decay: float = Field(0.95, ge=0, lt=1)
+
+
+class AgentConfig(Section):
+    """Multi-turn episodes (asyncrl/agents): unset `path` = one completion per sample."""
+
+    # "module:name" or "file.py:name": an async function (task, ctx), a class with an async
+    # run(task, ctx), or an asyncrl.agents.Environment subclass
+    path: str | None = None
+    max_turns: int = Field(8, ge=1, description="policy calls per episode")
+    max_episode_tokens: int = Field(256, ge=2, description="tokens in one episode's whole record")
+    max_concurrent_episodes: int = Field(256, ge=1)
+    # queue: a finished episode's slot goes straight to the next; batch: waves (to compare against)
+    scheduling: Literal["queue", "batch"] = "queue"
+    tool_parser: Literal["hermes", "compact"] = "hermes"
+    # None: the tokenizer's own; "tiny": the tiny models' compact one; else a jinja file
+    chat_template: str | None = None
+    stop_tokens: list[str] = Field([], description="end-of-turn tokens besides the tokenizer's eos")
 
 
 class ObjectiveConfig(Section):
@@ -164,6 +186,8 @@ class TimeoutConfig(Section):
     verifier: float = Field(10.0, gt=0)
     checkpoint: float = Field(600.0, gt=0, description="trainer writing one checkpoint in the background")
     heartbeat: float = Field(300.0, gt=0, description="a role silent this long is restarted")
+    episode: float = Field(300.0, gt=0, description="one agent episode, all its turns and tools")
+    tool: float = Field(30.0, gt=0, description="one tool call, unless the tool sets its own")
 
 
 class Config(Section):
@@ -172,6 +196,7 @@ class Config(Section):
     warmstart: WarmstartConfig = WarmstartConfig()
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     trainer: TrainerConfig = TrainerConfig()
     inference: InferenceConfig = InferenceConfig()
@@ -203,6 +228,11 @@ class Config(Section):
             raise ValueError(
                 f"rollout.group_size = 1 with rollout.advantage = {ro.advantage!r} gives every sample a zero "
                 "advantage; use rollout.advantage = 'running_baseline'"
+            )
+        if self.agent.path and self.agent.max_episode_tokens > self.inference.max_prompt_tokens:
+            raise ValueError(
+                f"agent.max_episode_tokens = {self.agent.max_episode_tokens} exceeds inference.max_prompt_tokens = "
+                f"{self.inference.max_prompt_tokens}: a late turn's prompt (the whole episode so far) would be refused"
             )
         return self
 
@@ -312,7 +342,8 @@ RESUMABLE_KEYS = ("run.root", "run.name", "run.steps", "run.overwrite", "run.max
                   "timeouts.", "trainer.checkpoint_every",
                   "trainer.keep_checkpoints", "trainer.keep_weight_versions", "trainer.threads", "trainer.device",
                   "inference.host", "inference.port", "inference.threads", "inference.max_waiting_sequences",
-                  "inference.vllm_python", "task.eval_every", "model.warmstart_if_missing")
+                  "inference.vllm_python", "task.eval_every", "model.warmstart_if_missing",
+                  "agent.max_concurrent_episodes", "agent.scheduling")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

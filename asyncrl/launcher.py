@@ -53,14 +53,19 @@ def check_inputs(cfg: Config, log=print) -> None:
     from asyncrl.rewards.tasks import TaskSource
 
     if not Path(cfg.model.path).exists():
-        if cfg.model.path == DEFAULT_MODEL and cfg.model.warmstart_if_missing:
+        if (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing:
             from asyncrl.warmstart import warmstart
 
-            log(f"{DEFAULT_MODEL} is missing: building the tiny default policy first")
-            warmstart(cfg, DEFAULT_MODEL, log=log)
+            log(f"{cfg.model.path} is missing: building the tiny policy first")
+            warmstart(cfg, cfg.model.path, log=log)
         else:
             _check_hub_model(cfg.model.path)
     TaskSource(cfg.task)
+    if cfg.agent.path:
+        from asyncrl.agents.runner import chat_template, load_agent
+
+        load_agent(cfg.agent.path)
+        chat_template(cfg.agent.chat_template)
     try:
         get_objective(cfg.objective.name, cfg.objective.import_path)
     except (ImportError, AttributeError, ValueError) as e:

@@ -12,6 +12,17 @@ from pathlib import Path
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
+# The tiny char-level models' template: "U:question\nA:reply<eos>\nT:tool output\nA:"; a tool
+# call is written name(argument) (the "compact" parser reads it back).
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'assistant' %}A:{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}("
+    "{% for k, v in c.function.arguments.items() %}{{ v }}{% endfor %}){% endfor %}{{ eos_token }}\n"
+    "{% else %}{{ m.role[0] | upper }}:{{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
 
 def build_char_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -25,7 +36,8 @@ def build_char_tokenizer():
         single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 

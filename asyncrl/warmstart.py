@@ -13,23 +13,38 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.agents.chat import Renderer, conversation_segments
 from asyncrl.config import Config
+from asyncrl.imports import import_object
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.model import build_char_tokenizer, build_tiny_model
 from asyncrl.rewards.tasks import TaskSource
 
 
-def _sft_batch(tasks: TaskSource, tokenizer, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+eos ids, with labels only on the answer and eos."""
-    rows, labels = [], []
-    for i in indices:
-        entry = tasks.item(i)
-        prompt = tokenizer(tasks.prompt(entry))["input_ids"]
-        answer = tokenizer(entry["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
+def _task_example(tasks: TaskSource, tokenizer, index: int) -> tuple[list[int], list[int]]:
+    """(prompt + answer + eos ids, labels only on the answer and eos)."""
+    entry = tasks.item(index)
+    prompt = tokenizer(tasks.prompt(entry))["input_ids"]
+    answer = tokenizer(entry["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def _demo_example(demos, renderer: Renderer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(a demonstration conversation's ids, labels only on the policy's turns)."""
+    demo = demos(rng)
+    ids, labels = [], []
+    for text, is_policy in conversation_segments(renderer, demo["messages"], demo.get("tools")):
+        piece = renderer.encode(text)
+        ids += piece
+        labels += piece if is_policy else [-100] * len(piece)
+    return ids, labels
+
+
+def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels."""
+    rows, labels = zip(*examples)
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    ids = torch.full((len(rows), width), pad_id)
     lab = torch.full((len(rows), width), -100)
     for k, (r, lb) in enumerate(zip(rows, labels)):
         ids[k, : len(r)] = torch.tensor(r)
@@ -61,12 +76,21 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"warmstart: {n_params / 1e6:.2f}M-parameter Llama, {ws.steps} steps of supervised training on {cfg.task.name}")
+    demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
+    renderer = Renderer(tokenizer)
+
+    def example() -> tuple[list[int], list[int]]:
+        if demos:
+            return _demo_example(demos, renderer, rng)
+        return _task_example(train_tasks, tokenizer, rng.randrange(10**9))
+
+    source = ws.demos or cfg.task.name
+    log(f"warmstart: {n_params / 1e6:.2f}M-parameter Llama, {ws.steps} steps of supervised training on {source}")
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.01)
     start, step, loss_value = time.monotonic(), 0, float("nan")
     model.train()
     while step < ws.steps and time.monotonic() - start < ws.max_seconds:
-        ids, labels = _sft_batch(train_tasks, tokenizer, [rng.randrange(10**9) for _ in range(ws.batch_size)])
+        ids, labels = _sft_batch([example() for _ in range(ws.batch_size)], tokenizer.pad_token_id)
         mask = (ids != tokenizer.pad_token_id).long()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
@@ -76,9 +100,10 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
         if step % 100 == 0:
             log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
     model.eval()
-    accuracy = greedy_accuracy(model, tokenizer, eval_tasks, min(cfg.task.eval_size, 200) or 200)
+    # an agent task's accuracy needs its agent: the run's first evaluation measures it
+    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, min(cfg.task.eval_size, 200) or 200)
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
-               "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": cfg.task.name}
+               "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source}
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

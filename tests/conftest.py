@@ -25,6 +25,23 @@ def tiny_model(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def calc_model(tmp_path_factory) -> str:
+    """A smaller tiny policy warm-started on the calculator demonstrations (~35 s): it writes tool
+    calls in the compact format some of the time. ASYNCRL_TEST_CALC_MODEL reuses a built one."""
+    given = os.environ.get("ASYNCRL_TEST_CALC_MODEL")
+    if given:
+        return given
+    from asyncrl.warmstart import warmstart
+
+    out = tmp_path_factory.mktemp("model") / "calc"
+    cfg = load_config(overrides={"warmstart": {
+        "demos": str(TESTS.parent / "examples/agents/calculator.py") + ":demos", "steps": 300, "batch_size": 32,
+        "hidden_size": 64, "layers": 2, "lr": 3e-3}})
+    warmstart(cfg, out, log=lambda *a, **k: None)
+    return str(out)
+
+
 def job_config(tmp_path: Path, model: str, **overrides):
     """A short run's config: small batches, a run dir under tmp_path, overrides as {"a.b": v}."""
     return load_config(overrides=job_args(tmp_path, model, **overrides))

@@ -25,13 +25,15 @@ import time
 from pathlib import Path
 
 from asyncrl import checkpoint, weights
+from asyncrl.agents.proxy import start_proxy
+from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
 from asyncrl.events import EventLog
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceClient, InferenceUnavailable
 from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn
-from asyncrl.orchestrator.rollout import rollout_group
+from asyncrl.orchestrator.rollout import all_or_none, rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.rewards.pool import VerifierPool, VerifierError
 from asyncrl.rewards.tasks import BadTaskRow, TaskSource
@@ -56,6 +58,7 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
+        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) if cfg.agent.path else None
         self._restore()
 
     @staticmethod
@@ -186,16 +189,20 @@ class Orchestrator:
         """(item, prompt token ids); BadTaskRow if the item is malformed, empty or too long to serve."""
         tasks = tasks or self.tasks
         entry = tasks.item(index)
-        prompt = self.tokenizer(tasks.prompt(entry))["input_ids"]
+        entry = {**entry, "prompt": tasks.prompt(entry)}  # what an agent is asked
+        prompt = self.tokenizer(entry["prompt"])["input_ids"]
         limit = self.cfg.inference.max_prompt_tokens
         if len(prompt) > limit:
             raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
         return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
+        if self.agents:
+            generate = lambda: rollout_agent_group(self.agents, entry, index, self.cfg)  # noqa: E731
+        else:
+            generate = lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
         try:
-            group, dropped = await self._server(
-                lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg), f"prompt {index}")
+            group, dropped = await self._server(generate, f"prompt {index}")
         except InferenceUnavailable as e:
             self.failure = RuntimeError(f"orchestrator: prompt {index} failed {GROUP_ATTEMPTS} times: {e}")
             await self._notify()
@@ -350,18 +357,34 @@ class Orchestrator:
                 entries.append(entry)
             except BadTaskRow:  # a bad held-out row is left out of the denominator
                 continue
-        choices = await self._server(
-            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
-        correct = 0.0
-        for choice, entry in zip(choices, entries):
-            try:
-                correct += await self.verifiers.score(choice["text"], entry, self.cfg.timeouts.verifier)
-            except VerifierError:  # an unscorable answer counts as wrong
-                pass
-        version = min(min(c["versions"]) for c in choices if c["versions"]) if choices else self.served_version
+        scorer = self._evaluate_agents if self.agents else self._evaluate_completions
+        scores, versions = await scorer(entries, prompts)
+        version = min(versions) if versions else self.served_version
+        correct = sum(scores)
         record = {"eval_version": version, "eval_accuracy": correct / max(len(entries), 1), "time": self._now()}
         self.ledger.record_eval(record)
         self._write_metrics(record)
+
+    async def _evaluate_completions(self, entries: list[dict], prompts: list[list[int]]):
+        """(score per item, versions that sampled) of one greedy completion per item."""
+        choices = await self._server(
+            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
+        scores = []
+        for choice, entry in zip(choices, entries):
+            try:
+                scores.append(await self.verifiers.score(choice["text"], entry, self.cfg.timeouts.verifier))
+            except VerifierError:  # an unscorable answer counts as wrong
+                scores.append(0.0)
+        return scores, [min(c["versions"]) for c in choices if c["versions"]]
+
+    async def _evaluate_agents(self, entries: list[dict], prompts: list[list[int]]):
+        """(reward per item, versions that sampled) of one greedy episode per item; a failed one scores 0."""
+        outcomes = await self._server(lambda: all_or_none(
+            self.agents.episode(e, f"eval-{i}", priority=-1, greedy=True) for i, e in enumerate(entries)),
+            "an evaluation")
+        versions = [o.episode.versions for o in outcomes]
+        return ([o.reward if o.failure is None else 0.0 for o in outcomes],
+                [min(v for v in vs if v >= 0) for vs in versions if any(v >= 0 for v in vs)])
 
     async def _beat(self) -> None:
         while True:
@@ -371,6 +394,10 @@ class Orchestrator:
     async def run(self) -> None:
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
         beat = asyncio.create_task(self._beat())
+        proxy = None
+        if self.agents:
+            proxy, self.agents.proxy_url = await start_proxy(self.agents.sessions, self.cfg.model.path)
+            self.events.write("proxy_started", url=self.agents.proxy_url)
         try:
             follow = asyncio.create_task(self.follow())
             done, _ = await asyncio.wait([follow, *loops], return_when=asyncio.FIRST_EXCEPTION)
@@ -381,6 +408,9 @@ class Orchestrator:
             for task in [beat, *loops, *self.in_flight]:
                 task.cancel()
             await asyncio.gather(beat, *loops, *self.in_flight, return_exceptions=True)
+            if proxy is not None:
+                await self.agents.close()
+                await proxy.cleanup()
             self.ledger.close()
 
 

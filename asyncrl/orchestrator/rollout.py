@@ -53,3 +53,37 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
                   "answer": entry["answer"], "generate_seconds": generated - started},
         ))
     return scored, dropped
+
+
+async def all_or_none(coros) -> list:
+    """Results of all; on the first error the others are cancelled (a retried group starts clean)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def rollout_agent_group(agents, entry: dict, index: int, cfg) -> tuple[list[Trajectory], list[dict]]:
+    """G agent episodes of one task, like rollout_group; a failed episode drops only itself."""
+    outcomes = await all_or_none(agents.episode(entry, f"{index}-{k}", priority=index)
+                                  for k in range(cfg.rollout.group_size))
+    scored, dropped = [], []
+    for k, out in enumerate(outcomes):
+        sample_id, ep = f"{index}-{k}", out.episode
+        if out.failure:
+            dropped.append({"id": sample_id, "reason": out.failure, "error": out.error, "prompt_id": index,
+                            "completion": ep.final_text})
+            continue
+        scored.append(Trajectory(
+            id=sample_id, group_id=str(index), task=entry.get("task", cfg.task.name), prompt_id=index,
+            tokens=ep.tokens, loss_mask=ep.loss_mask, logprobs=ep.logprobs, versions=ep.versions, reward=out.reward,
+            info={"finish_reason": ep.finish_reason, "completion": ep.final_text, "answer": entry.get("answer"),
+                  "turns": ep.turns, "turn_rewards": ep.turn_rewards, "truncated": ep.truncated,
+                  "tool_calls": len(ep.tool_calls), "tool_errors": sum(c["error"] is not None for c in ep.tool_calls),
+                  "tool_seconds": round(sum(c["seconds"] for c in ep.tool_calls), 4), "generate_seconds": out.seconds},
+        ))
+    return scored, dropped

@@ -1,27 +1,20 @@
 """Tasks, and the verifier that scores a completion.
 
-Tasks come from a reasoning-gym dataset (generated offline) or from a JSONL file of
-{"prompt": ..., "answer": ...} rows (`task.name = "jsonl"`, scored by exact match unless
-`task.verifier` is set). A task item is a dict (question, answer, metadata). Index i always
+Tasks come from a reasoning-gym dataset (generated offline), from a JSONL file of
+{"prompt": ..., "answer": ...} rows (`task.name = "jsonl"`), or from a generator function
+(`task.name = "module:function"`); the last two are scored by exact match unless
+`task.verifier` is set. A task item is a dict (question, answer, metadata). Index i always
 names the same item (a file is read in epochs), so a run's dataset position is one integer.
 """
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any, Callable
 
 from asyncrl.config import ConfigError, TaskConfig
+from asyncrl.imports import import_object
 
 _SIZE = 10**9  # reasoning-gym generates item i on demand; the size only bounds the index
-
-
-def _import(path: str, what: str) -> Callable:
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{what} = {path!r} cannot be imported as 'module:function': {e}") from None
 
 
 class BadTaskRow(ValueError):
@@ -58,14 +51,32 @@ class JsonlRows:
         return float(completion.strip() == entry["answer"].strip())
 
 
+class GeneratedTasks:
+    """Items from a user's generator `(index, seed) -> {"question", "answer", "metadata"}`."""
+
+    def __init__(self, path: str, seed: int):
+        self.generate, self.seed = import_object(path, "task.name"), seed
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        item = self.generate(index, self.seed)
+        if not isinstance(item, dict) or not isinstance(item.get("question"), str) or "answer" not in item:
+            raise BadTaskRow(f"task generator item {index} needs a string 'question' and an 'answer', got {item!r:.80}")
+        return {"metadata": {}, **item, "answer": str(item["answer"])}
+
+    score_answer = staticmethod(JsonlRows.score_answer)
+
+
 class TaskSource:
     """Items, prompts and scores of one dataset."""
 
     def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None):
         self.cfg = cfg
-        self._verifier = _import(cfg.verifier, "task.verifier") if cfg.verifier else None
+        self._verifier = import_object(cfg.verifier, "task.verifier") if cfg.verifier else None
         if cfg.name == "jsonl":
             self.dataset = JsonlRows(path or cfg.path)
+            return
+        if ":" in cfg.name:
+            self.dataset = GeneratedTasks(cfg.name, cfg.seed if seed is None else seed)
             return
         import reasoning_gym
 

@@ -1,0 +1,236 @@
+"""Agents against a real inference server process: token-faithful multi-turn records, the
+OpenAI proxy driven by the official `openai` client, tools that fail, agents that fail."""
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+
+import agents_for_tests as helpers
+from asyncrl.agents.chat import Renderer, conversation_segments, normalize
+from asyncrl.agents.proxy import start_proxy
+from asyncrl.agents.runner import AgentRunner, EpisodeQueue
+from asyncrl.events import EventLog, read_events
+from asyncrl.inference.client import InferenceClient
+from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
+from asyncrl.orchestrator.rollout import rollout_agent_group
+from asyncrl.rewards.pool import VerifierPool
+from conftest import job_config
+
+HELPERS = str(Path(helpers.__file__))
+
+
+@pytest.fixture(scope="module")
+def server(calc_model, tmp_path_factory):
+    cfg = job_config(tmp_path_factory.mktemp("agents"), calc_model)
+    run_dir = prepare_run_dir(cfg)
+    proc = start_role("inference", run_dir, threads=1)
+    try:
+        wait_for_inference(proc, run_dir, 60)
+        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir, calc_model
+    finally:
+        stop({"inference": proc})
+
+
+@contextlib.asynccontextmanager
+async def agent_runner(server, agent: str, **overrides):
+    """An AgentRunner with its proxy, as the orchestrator runs it, for the agent `agent` of agents_for_tests."""
+    from transformers import AutoTokenizer
+
+    url, run_dir, model = server
+    settings = {"agent.path": f"{HELPERS}:{agent}", "agent.tool_parser": "compact", "agent.max_episode_tokens": 200,
+                "inference.max_prompt_tokens": 256, "rollout.max_tokens": 16, **overrides}
+    cfg = job_config(run_dir.parent, model, **settings)
+    verifiers = VerifierPool(cfg.task, 1)
+    async with InferenceClient(url, 30) as client:
+        runner = AgentRunner(cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator"))
+        proxy, runner.proxy_url = await start_proxy(runner.sessions, "policy")
+        try:
+            yield runner, cfg, run_dir
+        finally:
+            await runner.close()
+            await proxy.cleanup()
+            verifiers.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def sampled_spans(episode) -> list[list[int]]:
+    spans, current = [], []
+    for token, mask in zip(episode.tokens, episode.loss_mask):
+        if mask:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
+
+
+def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server):
+    encoded: list[list[int]] = []
+
+    async def go():
+        async with agent_runner(server, "openai_agent") as (runner, _, _):
+            original = runner.renderer.encode
+            runner.renderer.encode = lambda text: encoded.append(original(text)) or encoded[-1]
+            return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0", i)
+                    for i in range(16)], runner.renderer
+
+    outcomes, renderer = run(go())
+    tok = renderer.tokenizer
+    tool_turns = 0
+    for out in outcomes:
+        ep = out.episode
+        eid = next(k for k in helpers.CONVERSATIONS if k.startswith(f"{outcomes.index(out)}-0-"))
+        messages = [normalize(m) for m in helpers.CONVERSATIONS[eid]]
+        assert out.failure is None and out.reward in (0.5, 1.0) and ep.turns == 3
+        # the policy's tokens are exactly the ids the engine returned, turn by turn, with their logprobs/versions
+        assert sampled_spans(ep) == helpers.RETURNED_IDS[eid]
+        assert all((m == 1) == (v >= 0) for m, v in zip(ep.loss_mask, ep.versions))
+        assert all(lp == 0.0 for m, lp in zip(ep.loss_mask, ep.logprobs) if not m)
+        # decoded, the record is the conversation as the chat template renders it (up to the last reply's glue)
+        rendered = renderer.text(messages[:-1], None, False)
+        text = tok.decode(ep.tokens)
+        assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<eos>\n")
+        tool_turns += sum(1 for m in messages if m["role"] == "tool")
+    assert tool_turns > 0, "no episode called the calculator; the test could not check tool turns"
+    # nothing the policy sampled was ever encoded: every encoded token is context (mask 0)
+    assert sum(len(e) for e in encoded) == sum(len(o.episode.tokens) - o.episode.sampled_tokens for o in outcomes)
+
+
+def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(server):
+    async def go():
+        async with agent_runner(server, "tool_error_agent", **{"agent.max_episode_tokens": 250}) as (runner, _, run_dir):
+            return await runner.episode({"prompt": "1+2", "answer": "3"}, "t-0", 0), run_dir
+
+    out, run_dir = run(go())
+    assert out.failure is None, out.error
+    eid = next(k for k in helpers.CONVERSATIONS if k.startswith("t-0-"))
+    results = [m["content"] for m in helpers.CONVERSATIONS[eid] if m["role"] == "tool"]
+    assert results[0] == "error: tool 'broken' failed: RuntimeError: the tool broke"
+    assert results[1] == "error: tool 'slow' timed out after 0.2s"
+    assert results[2] == "error: no tool named 'missing'; tools: add, broken, slow"
+    assert out.reward == 0.25 and out.episode.turns == 2 and not out.episode.truncated
+    assert sorted(c["name"] for c in out.episode.tool_calls) == ["broken", "missing", "slow"]  # run concurrently
+    events = [e for e in read_events(run_dir) if e["event"] == "tool_error" and e["episode"] == eid]
+    assert {e["tool"] for e in events} == {"broken", "slow", "missing"}
+    bad = run(helpers.add.run("not json"))  # the policy wrote arguments that do not parse
+    assert bad.error and bad.text.startswith("error: tool 'add' failed: ValueError: arguments are not valid JSON")
+    assert run(helpers.add.run({"expression": "2+3"})).text == "5"
+    assert helpers.add.schema["function"]["parameters"] == {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
+
+
+def test_a_failing_agent_fails_only_its_episode(server):
+    async def go():
+        async with agent_runner(server, "flaky_agent", **{"timeouts.episode": 3.0, "agent.max_turns": 4,
+                                                           "rollout.group_size": 5}) as (runner, cfg, run_dir):
+            return await rollout_agent_group(runner, {"prompt": "12+30=", "answer": "42"}, 7, cfg), run_dir
+
+    (scored, dropped), run_dir = run(go())
+    reasons = {d["id"]: d["reason"] for d in dropped}
+    assert reasons == {"7-1": "agent_error", "7-2": "episode_timeout"}
+    assert "agent bug" in next(d["error"] for d in dropped if d["id"] == "7-1")
+    by_id = {t.id: t for t in scored}
+    assert set(by_id) == {"7-0", "7-3", "7-4"}
+    truncated = by_id["7-3"]  # ran into agent.max_turns: kept, with the rewards it earned (none)
+    assert truncated.info["turns"] == 4 and "turn limit" in truncated.info["truncated"] and truncated.reward == 0.0
+    assert by_id["7-0"].reward in (0.0, 1.0) and by_id["7-0"].info["turns"] == 1
+    failed = [e for e in read_events(run_dir) if e["event"] == "episode_failed"]
+    assert {e["reason"] for e in failed} >= {"agent_error", "episode_timeout"}
+
+
+def test_completions_endpoint_extends_the_episode_text(server):
+    async def go():
+        async with agent_runner(server, "completions_agent") as (runner, _, _):
+            return await runner.episode({"prompt": "12+30=", "answer": "42"}, "c-0", 0), runner.renderer.tokenizer
+
+    out, tok = run(go())
+    ep = out.episode
+    assert out.failure is None and ep.turns == 2 and len(sampled_spans(ep)) == 2
+    assert tok.decode(ep.tokens[:7]) == "<bos>12+30="
+
+
+def test_history_edits_and_bad_requests_are_refused_with_a_reason(server):
+    import openai
+
+    errors: list[str] = []
+
+    async def editing_agent(task, ctx):
+        client = ctx.openai()
+        messages = [{"role": "user", "content": "1*2"}]
+        first = await client.chat.completions.create(model="p", messages=messages)
+        messages += [first.choices[0].message, {"role": "user", "content": "again"}]
+        edited = [{"role": "user", "content": "edited"}, *messages[1:]]
+        for bad in (lambda: client.chat.completions.create(model="p", messages=edited),
+                    lambda: client.chat.completions.create(model="p", messages=messages, n=2),
+                    lambda: client.completions.create(model="p", prompt="x")):
+            try:
+                await bad()
+            except openai.BadRequestError as e:
+                errors.append(str(e))
+        second = await client.chat.completions.create(model="p", messages=messages)  # the episode goes on
+        return 1.0 if second.choices else 0.0
+
+    async def go():
+        async with agent_runner(server, "openai_agent") as (runner, _, _):
+            runner.agent = editing_agent
+            return await runner.episode({"prompt": "", "answer": ""}, "e-0", 0)
+
+    out = run(go())
+    assert len(errors) == 3
+    assert "message 0 (user) differs from the one this episode already holds" in errors[0]
+    assert "n must be 1" in errors[1]
+    assert "this episode is a chat" in errors[2]
+    assert out.failure is None and out.reward == 1.0 and out.episode.turns == 2
+
+
+def test_environment_turn_rewards_add_up(server):
+    async def go():
+        async with agent_runner(server, "Countdown") as (runner, _, _):
+            return await runner.episode({"prompt": "go", "answer": ""}, "env-0", 0), runner.renderer.tokenizer
+
+    out, tok = run(go())
+    assert out.failure is None and out.episode.turns == 3
+    assert out.episode.turn_rewards == [0.1, 0.1, 0.1] and out.reward == pytest.approx(0.3)
+    assert "U:2 left\nA:" in tok.decode(out.episode.tokens)
+
+
+def test_conversation_segments_mark_only_the_replies(calc_model):
+    from transformers import AutoTokenizer
+
+    renderer = Renderer(AutoTokenizer.from_pretrained(calc_model))
+    call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "2*3"}}}
+    messages = [{"role": "user", "content": "2*3"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]
+    segments = conversation_segments(renderer, messages)
+    assert "".join(t for t, _ in segments) == renderer.text(messages, None, False)
+    assert [t for t, policy in segments if policy] == ["calc(2*3)<eos>", "6<eos>"]
+
+
+def test_episode_queue_limits_concurrency_and_batches_in_waves():
+    async def measure(mode: str) -> tuple[int, dict[int, float]]:
+        queue, running, peak, started = EpisodeQueue(3, mode), 0, 0, {}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def episode(i: int, seconds: float):
+            nonlocal running, peak
+            async with queue.slot(i):
+                started[i] = loop.time() - t0
+                running += 1
+                peak = max(peak, running)
+                await asyncio.sleep(seconds)
+                running -= 1
+
+        # episode 0 is a straggler: in waves, 3.. wait for it; in the queue they take the free slots
+        await asyncio.gather(*(episode(i, 0.4 if i == 0 else 0.02) for i in range(9)))
+        return peak, started
+
+    peak, started = run(measure("queue"))
+    assert peak == 3 and started[3] < 0.2 and started[8] < 0.3
+    peak, started = run(measure("batch"))
+    assert peak == 3 and started[3] >= 0.39 and sorted(started, key=started.get) == list(range(9))
