@@ -55,6 +55,24 @@ class WarmstartConfig(Section):
     demos: str | None = None
 
 
+class TaskMix(Section):
+    """One task of a multi-task run (`[[task.mix]]`); the fields mean what they do in [task]."""
+
+    name: str
+    label: str | None = Field(None, description="its name in metrics (default: name)")
+    weight: float = Field(1.0, gt=0, description="share of prompts, relative to the others")
+    path: str | None = None
+    eval_path: str | None = None
+    params: dict[str, Any] = {}
+    prompt_format: Literal["compact", "question"] = "compact"
+    verifier: str | None = None
+    agent: str | None = Field(None, description="this task's agent (default: agent.path; none: one completion)")
+
+    @property
+    def tag(self) -> str:
+        return self.label or self.name
+
+
 class TaskConfig(Section):
     # a reasoning-gym dataset name; "jsonl": rows {"prompt": str, "answer": str} from `path`; or
     # "module:function" / "file.py:function": a generator (index, seed) -> {"question", "answer", "metadata"}
@@ -71,6 +89,19 @@ class TaskConfig(Section):
     eval_size: int = Field(200, ge=0)
     eval_seed: int = 10_000
     eval_every: int = Field(20, ge=1)
+    # several tasks in one run: each prompt is drawn from one of them by weight; the fields above
+    # except seeds and eval sizes are then per task
+    mix: list[TaskMix] = []
+
+    @model_validator(mode="after")
+    def _check_mix(self) -> "TaskConfig":
+        tags = [m.tag for m in self.mix]
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"task.mix has two tasks named alike ({', '.join(tags)}); give them distinct labels")
+        for m in self.mix:
+            if m.name == "jsonl" and not m.path:
+                raise ValueError(f"task.mix entry {m.tag!r} is 'jsonl' and needs a path")
+        return self
 
 
 class RolloutConfig(Section):
@@ -85,6 +116,9 @@ class RolloutConfig(Section):
     # running_baseline: R − an exponential moving average of past rewards (for group_size 1, SAO)
     advantage: Literal["grpo", "dr_grpo", "rloo", "running_baseline"] = "grpo"
     baseline_decay: float = Field(0.95, ge=0, lt=1)
+    # multi-task: rescale each task's token advantages in a batch to mean 0, std 1 (AgentRL), so
+    # no task dominates the gradient by its reward scale or its length
+    task_normalization: bool = False
 
 
 class AgentConfig(Section):
@@ -229,7 +263,7 @@ class Config(Section):
                 f"rollout.group_size = 1 with rollout.advantage = {ro.advantage!r} gives every sample a zero "
                 "advantage; use rollout.advantage = 'running_baseline'"
             )
-        if self.agent.path and self.agent.max_episode_tokens > self.inference.max_prompt_tokens:
+        if (self.agent.path or any(m.agent for m in self.task.mix)) and self.agent.max_episode_tokens > self.inference.max_prompt_tokens:
             raise ValueError(
                 f"agent.max_episode_tokens = {self.agent.max_episode_tokens} exceeds inference.max_prompt_tokens = "
                 f"{self.inference.max_prompt_tokens}: a late turn's prompt (the whole episode so far) would be refused"

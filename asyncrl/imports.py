@@ -26,7 +26,8 @@ def import_object(path: str, what: str) -> Any:
 def _load_file(file: Path):
     """The module of `file`: the one already imported from it (by any name), else load it once."""
     for loaded in list(sys.modules.values()):
-        if getattr(loaded, "__file__", None) == str(file):
+        name = getattr(loaded, "__file__", None)
+        if name and Path(name).resolve() == file:
             return loaded
     if not file.is_file():
         raise ImportError(f"no file {str(file)!r}")

@@ -50,7 +50,7 @@ def prepare_run_dir(cfg: Config) -> Path:
 def check_inputs(cfg: Config, log=print) -> None:
     """Fail before any process starts: model, task and objective must all resolve."""
     from asyncrl.objectives import get_objective
-    from asyncrl.rewards.tasks import TaskSource
+    from asyncrl.rewards.tasks import load_tasks
 
     if not Path(cfg.model.path).exists():
         if (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing:
@@ -60,11 +60,13 @@ def check_inputs(cfg: Config, log=print) -> None:
             warmstart(cfg, cfg.model.path, log=log)
         else:
             _check_hub_model(cfg.model.path)
-    TaskSource(cfg.task)
-    if cfg.agent.path:
+    load_tasks(cfg.task)
+    agents = [a for a in [cfg.agent.path, *(m.agent for m in cfg.task.mix)] if a]
+    if agents:
         from asyncrl.agents.runner import chat_template, load_agent
 
-        load_agent(cfg.agent.path)
+        for path in agents:
+            load_agent(path)
         chat_template(cfg.agent.chat_template)
     try:
         get_objective(cfg.objective.name, cfg.objective.import_path)

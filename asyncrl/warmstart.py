@@ -18,7 +18,7 @@ from asyncrl.config import Config
 from asyncrl.imports import import_object
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.model import build_char_tokenizer, build_tiny_model
-from asyncrl.rewards.tasks import TaskSource
+from asyncrl.rewards.tasks import TaskSource, load_tasks
 
 
 def _task_example(tasks: TaskSource, tokenizer, index: int) -> tuple[list[int], list[int]]:
@@ -71,8 +71,8 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     torch.manual_seed(ws.seed)
     rng = random.Random(ws.seed)
     # Supervised data comes from a seed of its own, apart from RL (task.seed) and eval (task.eval_seed).
-    train_tasks = TaskSource(cfg.task, seed=cfg.task.seed + 7919)
-    eval_tasks = TaskSource(cfg.task, seed=cfg.task.eval_seed)
+    train_tasks = load_tasks(cfg.task, seed=cfg.task.seed + 7919)
+    eval_tasks = load_tasks(cfg.task, held_out=True) or train_tasks
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed)
     n_params = sum(p.numel() for p in model.parameters())

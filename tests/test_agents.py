@@ -177,7 +177,7 @@ def test_history_edits_and_bad_requests_are_refused_with_a_reason(server):
 
     async def go():
         async with agent_runner(server, "openai_agent") as (runner, _, _):
-            runner.agent = editing_agent
+            runner.agent_of[None] = editing_agent
             return await runner.episode({"prompt": "", "answer": ""}, "e-0", 0)
 
     out = run(go())
@@ -234,3 +234,46 @@ def test_episode_queue_limits_concurrency_and_batches_in_waves():
     assert peak == 3 and started[3] < 0.2 and started[8] < 0.3
     peak, started = run(measure("batch"))
     assert peak == 3 and started[3] >= 0.39 and sorted(started, key=started.get) == list(range(9))
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples" / "agents"
+
+
+@pytest.mark.e2e
+def test_multi_task_agent_run_end_to_end(calc_model, tmp_path):
+    """A real run (three processes) mixing the OpenAI-client calculator agent (through the proxy) and
+    the guessing Environment, with per-task advantage normalisation and per-task metrics."""
+    from asyncrl.launcher import train
+    from asyncrl.ledger import audit
+    from asyncrl.trajectory import batch_path, read_batch
+
+    mix = [{"name": "products", "label": "calc", "params": {"min_terms": 2, "max_terms": 2, "min_digits": 2,
+                                                              "max_digits": 3},
+            "verifier": f"{EXAMPLES}/calculator.py:exact", "agent": f"{EXAMPLES}/calculator.py:agent"},
+           {"name": f"{EXAMPLES}/guess.py:tasks", "label": "guess", "agent": f"{EXAMPLES}/guess.py:Guess"}]
+    cfg = job_config(tmp_path, calc_model, **{
+        "run.steps": 6, "task.eval_size": 16, "task.eval_every": 3, "agent.tool_parser": "compact",
+        "agent.max_turns": 4, "agent.max_episode_tokens": 80, "rollout.max_tokens": 16,
+        "rollout.task_normalization": True})
+    cfg.task.mix = mix
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    assert audit(run_dir, cfg.rollout.max_staleness)["problems"] == []
+    trajs = [t for step in range(cfg.run.steps) for t in read_batch(batch_path(run_dir, step))]
+    assert {t.task for t in trajs} == {"calc", "guess"}
+    for t in trajs:  # the record's invariants hold in what the trainer read
+        assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions) <= 80
+        assert all((m == 1) == (v >= 0) for m, v in zip(t.loss_mask, t.versions))
+    assert any(t.info["tool_calls"] for t in trajs if t.task == "calc")
+    assert max(t.info["turns"] for t in trajs if t.task == "guess") > 1
+    for step in range(cfg.run.steps):  # per task and batch, token advantages have mean 0
+        batch = read_batch(batch_path(run_dir, step))
+        for task in {t.task for t in batch}:
+            values = [a for t in batch if t.task == task for a, m in zip(t.advantages, t.loss_mask) if m]
+            assert abs(sum(values) / len(values)) < 1e-4
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step" in r]
+    assert all("turns_mean" in r and "tool_calls_mean" in r for r in steps)
+    assert any("reward/calc" in r and "reward/guess" in r for r in steps)
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["eval_version"] for r in evals] == [0, 3, 6]
+    assert all("eval_accuracy/calc" in r and "eval_accuracy/guess" in r for r in evals)

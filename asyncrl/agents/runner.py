@@ -181,7 +181,7 @@ class AgentContext:
 class AgentRunner:
     def __init__(self, cfg, client, tokenizer, verifiers, events):
         self.cfg, self.client, self.verifiers, self.events = cfg, client, verifiers, events
-        self.agent = load_agent(cfg.agent.path)
+        self.agent_of = {tag: load_agent(path) for tag, path in self.agent_paths(cfg).items() if path}
         self.renderer = Renderer(tokenizer, chat_template(cfg.agent.chat_template))
         self.queue = EpisodeQueue(cfg.agent.max_concurrent_episodes, cfg.agent.scheduling)
         self.sessions: dict[str, PolicySession] = {}  # running episodes, by id (the proxy's routing table)
@@ -189,6 +189,17 @@ class AgentRunner:
         self.limits = Limits(cfg.agent.max_turns, cfg.agent.max_episode_tokens, cfg.rollout.max_tokens)
         self.stop_ids = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(cfg.agent.stop_tokens)
         self._http = None
+
+    @staticmethod
+    def agent_paths(cfg) -> dict[str | None, str | None]:
+        """Each task's agent (by task label; None: the single task of a run without task.mix)."""
+        if cfg.task.mix:
+            return {m.tag: m.agent or cfg.agent.path for m in cfg.task.mix}
+        return {None: cfg.agent.path}
+
+    def agent_for(self, task: dict):
+        """The agent that plays `task`; None: the task is a single completion."""
+        return self.agent_of.get(task.get("task") if self.cfg.task.mix else None)
 
     def http_client(self):
         """One connection pool for every episode's OpenAI client (a client of its own costs ~10 ms of TLS setup)."""
@@ -218,7 +229,7 @@ class AgentRunner:
         self.sessions[episode_id] = session
         start = time.monotonic()
         try:
-            result = await asyncio.wait_for(self.agent(task, ctx), self.cfg.timeouts.episode)
+            result = await asyncio.wait_for(self.agent_for(task)(task, ctx), self.cfg.timeouts.episode)
         except Exception as e:
             if episode.server_lost:
                 raise InferenceUnavailable(f"episode {episode_id}: the inference server went away") from None

@@ -40,3 +40,20 @@ def advantage_fn(kind: str, decay: float):
     if kind == "running_baseline":
         return RunningBaseline(decay)
     return lambda rewards: group_advantages(rewards, kind)
+
+
+def normalize_per_task(trajs: list) -> None:
+    """AgentRL's task advantage normalisation: within one batch, each task's token advantages
+    are rescaled to mean 0 and std 1, so a task with larger rewards or longer replies does not
+    drown the others' gradient. In place; a task whose advantages are all equal is left at 0."""
+    by_task: dict[str, list] = {}
+    for t in trajs:
+        by_task.setdefault(t.task, []).append(t)
+    for group in by_task.values():
+        values = [a for t in group for a, m in zip(t.advantages, t.loss_mask) if m]
+        if not values:
+            continue
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+        for t in group:
+            t.advantages = [(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(t.advantages, t.loss_mask)]

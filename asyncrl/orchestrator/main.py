@@ -32,11 +32,11 @@ from asyncrl.events import EventLog
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceClient, InferenceUnavailable
 from asyncrl.ledger import Ledger
-from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn
+from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.rollout import all_or_none, rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.rewards.pool import VerifierPool, VerifierError
-from asyncrl.rewards.tasks import BadTaskRow, TaskSource
+from asyncrl.rewards.tasks import BadTaskRow, MixedTasks, TaskSource, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
 GROUP_ATTEMPTS = 3  # a prompt whose generation fails this often (the server died under it each time) is dropped
@@ -46,7 +46,7 @@ class Orchestrator:
     def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer, verifiers: VerifierPool):
         self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
         self.verifiers = verifiers
-        self.tasks = TaskSource(cfg.task)
+        self.tasks = load_tasks(cfg.task)
         self.eval_tasks = self._eval_tasks(cfg)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
@@ -58,14 +58,13 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
-        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) if cfg.agent.path else None
+        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) \
+            if any(AgentRunner.agent_paths(cfg).values()) else None
         self._restore()
 
     @staticmethod
-    def _eval_tasks(cfg: Config) -> TaskSource | None:
-        if cfg.task.eval_size == 0 or (cfg.task.name == "jsonl" and not cfg.task.eval_path):
-            return None
-        return TaskSource(cfg.task, seed=cfg.task.eval_seed, path=cfg.task.eval_path)
+    def _eval_tasks(cfg: Config) -> TaskSource | MixedTasks | None:
+        return load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
 
     def _restore(self) -> None:
         """State from the ledger: empty on a fresh run, everything durable after a restart."""
@@ -83,7 +82,7 @@ class Orchestrator:
             self.advantages.value = led.get("baseline")
         for step in batched:  # a crash between the ledger and the file: write it again
             if not batch_path(self.run_dir, step).exists():
-                write_batch(self.run_dir, step, led.batch_samples(step))
+                self._write_batch(step, led.batch_samples(step))
         newest = checkpoint.latest(self.run_dir, log=lambda m: self.events.write("checkpoint_corrupt", detail=m))
         self.committed_through = int(newest.name.removeprefix("step_")) if newest else 0
         led.commit_through(self.committed_through)
@@ -197,7 +196,7 @@ class Orchestrator:
         return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
-        if self.agents:
+        if self.agents and self.agents.agent_for(entry):
             generate = lambda: rollout_agent_group(self.agents, entry, index, self.cfg)  # noqa: E731
         else:
             generate = lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
@@ -248,9 +247,16 @@ class Orchestrator:
                 await self._notify()
             trajs = [t for g in batch for t in g]
             self.ledger.batch(step, trajs, self._batch_stats(step, trajs, dropped))
-            write_batch(self.run_dir, step, trajs)
+            self._write_batch(step, trajs)
         self.assembled = True
         await self._notify()
+
+    def _write_batch(self, step: int, trajs: list[Trajectory]) -> None:
+        """The trainer's file of batch `step` (the ledger holds the group advantages; this is the one place
+        they are rescaled per task, so a batch rewritten after a crash is the same batch)."""
+        if self.cfg.rollout.task_normalization:
+            normalize_per_task(trajs)
+        write_batch(self.run_dir, step, trajs)
 
     @staticmethod
     def _batch_stats(step: int, trajs: list[Trajectory], dropped: int) -> dict:
@@ -263,7 +269,26 @@ class Orchestrator:
             "staleness_hist": {str(s): stale.count(s) for s in sorted(set(stale))},
             "dropped_stale_groups": dropped,
             "completion_tokens": sum(sum(t.loss_mask) for t in trajs),
+            **Orchestrator._task_stats(trajs),
         }
+
+    @staticmethod
+    def _task_stats(trajs: list[Trajectory]) -> dict:
+        """reward/<task>, accuracy/<task>, samples/<task> when the batch mixes tasks; turns and tool
+        use when agents played it."""
+        out = {}
+        tasks = sorted({t.task for t in trajs})
+        for task in tasks if len(tasks) > 1 else []:
+            rewards = [t.reward for t in trajs if t.task == task]
+            out.update({f"reward/{task}": sum(rewards) / len(rewards), f"samples/{task}": len(rewards),
+                        f"accuracy/{task}": sum(r >= 1.0 for r in rewards) / len(rewards)})
+        played = [t.info for t in trajs if "turns" in t.info]
+        if played:
+            out.update({"turns_mean": sum(i["turns"] for i in played) / len(played),
+                        "tool_calls_mean": sum(i["tool_calls"] for i in played) / len(played),
+                        "tool_errors": sum(i["tool_errors"] for i in played),
+                        "truncated_fraction": sum(bool(i["truncated"]) for i in played) / len(played)})
+        return out
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
@@ -357,11 +382,22 @@ class Orchestrator:
                 entries.append(entry)
             except BadTaskRow:  # a bad held-out row is left out of the denominator
                 continue
-        scorer = self._evaluate_agents if self.agents else self._evaluate_completions
-        scores, versions = await scorer(entries, prompts)
+        agentic = [bool(self.agents and self.agents.agent_for(e)) for e in entries]
+        parts = [(scorer, [i for i, a in enumerate(agentic) if a == wanted])
+                 for scorer, wanted in ((self._evaluate_completions, False), (self._evaluate_agents, True))]
+        results = await asyncio.gather(*(scorer([entries[i] for i in rows], [prompts[i] for i in rows])
+                                         for scorer, rows in parts if rows))
+        scores, versions = [0.0] * len(entries), []
+        for (_, rows), (part_scores, part_versions) in zip([p for p in parts if p[1]], results):
+            for i, score in zip(rows, part_scores):
+                scores[i] = score
+            versions += part_versions
         version = min(versions) if versions else self.served_version
-        correct = sum(scores)
-        record = {"eval_version": version, "eval_accuracy": correct / max(len(entries), 1), "time": self._now()}
+        record = {"eval_version": version, "eval_accuracy": sum(scores) / max(len(entries), 1), "time": self._now()}
+        for tag in (m.tag for m in self.cfg.task.mix):  # per-task accuracy of a multi-task run
+            mine = [s for s, e in zip(scores, entries) if e["task"] == tag]
+            if mine:
+                record[f"eval_accuracy/{tag}"] = sum(mine) / len(mine)
         self.ledger.record_eval(record)
         self._write_metrics(record)
 

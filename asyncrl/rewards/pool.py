@@ -21,9 +21,9 @@ class VerifierError(RuntimeError):
 
 def _serve(task_cfg: TaskConfig, conn) -> None:
     """A worker: (completion, entry) in, (True, reward) or (False, error message) out."""
-    from asyncrl.rewards.tasks import TaskSource
+    from asyncrl.rewards.tasks import load_tasks
 
-    tasks = TaskSource(task_cfg)
+    tasks = load_tasks(task_cfg)
     conn.send("ready")  # imports can take seconds: they must not count against a verifier's deadline
     while True:
         try:

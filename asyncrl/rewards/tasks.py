@@ -9,7 +9,7 @@ names the same item (a file is read in epochs), so a run's dataset position is o
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
 
 from asyncrl.config import ConfigError, TaskConfig
 from asyncrl.imports import import_object
@@ -111,3 +111,42 @@ class TaskSource:
         if self._verifier is not None:
             return float(self._verifier(completion, entry))
         return float(self.dataset.score_answer(completion.strip(), entry))
+
+
+class MixedTasks:
+    """Several tasks as one source (task.mix): item i comes from the task a seeded draw by weight
+    picks for i, and carries that task's label in entry["task"] for prompts, scores and metrics."""
+
+    def __init__(self, cfg: TaskConfig, seed: int, held_out: bool):
+        self.seed, self.tags, self.weights, self.sources = seed, [], [], {}
+        for mix in cfg.mix:
+            sub = TaskConfig(name=mix.name, path=mix.path, eval_path=mix.eval_path, params=mix.params,
+                             prompt_format=mix.prompt_format, verifier=mix.verifier, seed=cfg.seed)
+            if held_out and mix.name == "jsonl" and not mix.eval_path:
+                continue  # no held-out rows for this task
+            self.sources[mix.tag] = TaskSource(sub, seed=seed, path=mix.eval_path if held_out else mix.path)
+            self.tags.append(mix.tag)
+            self.weights.append(mix.weight)
+
+    def item(self, index: int) -> dict[str, Any]:
+        import random
+
+        tag = random.Random(f"{self.seed}-{index}").choices(self.tags, self.weights)[0]
+        return {**self.sources[tag].item(index), "task": tag}
+
+    def prompt(self, entry: dict[str, Any]) -> str:
+        return self.sources[entry["task"]].prompt(entry)
+
+    def score(self, completion: str, entry: dict[str, Any]) -> float:
+        return self.sources[entry["task"]].score(completion, entry)
+
+
+def load_tasks(cfg: TaskConfig, held_out: bool = False, seed: int | None = None) -> TaskSource | MixedTasks | None:
+    """The training (or held-out) items `cfg` describes; None when there is no held-out set."""
+    seed = seed if seed is not None else cfg.eval_seed if held_out else cfg.seed
+    if cfg.mix:
+        mixed = MixedTasks(cfg, seed, held_out)
+        return mixed if mixed.tags else None
+    if held_out and cfg.name == "jsonl" and not cfg.eval_path:
+        return None
+    return TaskSource(cfg, seed=seed, path=cfg.eval_path if held_out else None)

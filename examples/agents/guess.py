@@ -2,9 +2,10 @@
 
 An Environment (reset / step): it shows the range still possible ("9-15"), the policy guesses,
 the environment narrows the range, and the episode ends on the right guess (reward 1) or after
-4 guesses (reward 0). Halving the range always wins in 4; the warm start's demonstrations guess
-the middle only half the time, anywhere in the range a third of the time and anywhere at all
-otherwise, so there is a better strategy for RL to find.
+4 guesses (reward 0). Halving the range always wins in 4. The warm start's demonstrations most
+often guess the lowest number still possible (a linear scan, which greedy decoding then follows
+and which wins only for small secrets), the middle less often, anywhere in the range otherwise:
+RL has to find that the middle pays.
 """
 from __future__ import annotations
 
@@ -42,11 +43,11 @@ class Guess(Environment):
 
 def _demo_guess(rng: random.Random, low: int, high: int) -> int:
     r = rng.random()
-    if r < 0.5:
+    if r < 0.45:
+        return low
+    if r < 0.75:
         return (low + high) // 2
-    if r < 0.85:
-        return rng.randint(low, high)
-    return rng.randint(LOW, HIGH)
+    return rng.randint(low, high)
 
 
 def demos(rng: random.Random) -> dict:
