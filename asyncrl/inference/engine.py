@@ -68,6 +68,10 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor,
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
+ADMIT_WITHIN_STEPS = 1  # the longest a waiting sequence is held back while others decode (4 starved
+# the default 8-token demo by ~25%; 1 costs it nothing measurable and lifts agent episodes/s ~25%)
+
+
 class Engine:
     """Running batch state, advanced one token per `step()`. Not thread-safe: one thread drives it."""
 
@@ -81,6 +85,7 @@ class Engine:
         self.cache_arg = _cache_kwarg(model)
         self.waiting: deque[Sequence] = deque()
         self.admitting = True  # False while draining for a "finish" weight update
+        self.held = 0  # steps the oldest waiting sequence has been held back (see _admit)
         self.tokens_generated = 0
         self.tokens_discarded = 0  # sampled, then thrown away by an "abort" reload
         self._clear()
@@ -161,6 +166,16 @@ class Engine:
 
     # --- admission and prefill ---------------------------------------------------------------
     def _admit(self) -> None:
+        # Each admission is a prefill forward plus a copy of the whole running KV cache. When
+        # requests trickle in one by one (agent turns), admitting each at once pays that per
+        # request; holding them a few steps, until a quarter of the running batch is waiting,
+        # admits them together. An idle engine admits at once.
+        if not self.waiting:
+            return
+        if self.running and len(self.waiting) < len(self.running) // 4 and self.held < ADMIT_WITHIN_STEPS:
+            self.held += 1
+            return
+        self.held = 0
         batch: list[Sequence] = []
         width = self.mask.shape[1]
         while self.waiting and len(self.running) + len(batch) < self.max_sequences:
