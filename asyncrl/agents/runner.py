@@ -116,8 +116,10 @@ class Outcome:
 class AgentContext:
     """What an agent gets besides its task: the policy, tools, rewards."""
 
-    def __init__(self, runner: "AgentRunner", session: PolicySession, episode_id: str, base_url: str | None):
-        self.runner, self.session, self.episode_id, self.base_url = runner, session, episode_id, base_url
+    def __init__(self, runner: "AgentRunner", task: dict, session: PolicySession, episode_id: str,
+                 base_url: str | None):
+        self.runner, self.task, self.session = runner, task, session
+        self.episode_id, self.base_url = episode_id, base_url
         self.episode = session.episode
         self.tokenizer = session.tokenizer
         self._openai = None
@@ -224,8 +226,7 @@ class AgentRunner:
         episode = Episode(self.limits)
         session = PolicySession(episode, self.client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser)
         base_url = f"{self.proxy_url}/episodes/{episode_id}/v1" if self.proxy_url else None
-        ctx = AgentContext(self, session, episode_id, base_url)
-        ctx.task = task
+        ctx = AgentContext(self, task, session, episode_id, base_url)
         self.sessions[episode_id] = session
         start = time.monotonic()
         try:
