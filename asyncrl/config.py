@@ -263,12 +263,18 @@ class Config(Section):
                 f"rollout.group_size = 1 with rollout.advantage = {ro.advantage!r} gives every sample a zero "
                 "advantage; use rollout.advantage = 'running_baseline'"
             )
-        if (self.agent.path or any(m.agent for m in self.task.mix)) and self.agent.max_episode_tokens > self.inference.max_prompt_tokens:
+        if any(self.agent_paths().values()) and self.agent.max_episode_tokens > self.inference.max_prompt_tokens:
             raise ValueError(
                 f"agent.max_episode_tokens = {self.agent.max_episode_tokens} exceeds inference.max_prompt_tokens = "
                 f"{self.inference.max_prompt_tokens}: a late turn's prompt (the whole episode so far) would be refused"
             )
         return self
+
+    def agent_paths(self) -> dict[str | None, str | None]:
+        """Each task's agent, by task label (None: the one task of a run without task.mix); None: a completion."""
+        if self.task.mix:
+            return {m.tag: m.agent or self.agent.path for m in self.task.mix}
+        return {None: self.agent.path}
 
     @property
     def run_dir(self) -> Path:

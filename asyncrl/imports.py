@@ -17,7 +17,10 @@ def import_object(path: str, what: str) -> Any:
         if not module or not name:
             raise ValueError("expected 'module:name' or 'file.py:name'")
         if module.endswith(".py"):
-            return getattr(_load_file(Path(module).resolve()), name)
+            loaded = _load_file(Path(module).resolve())
+            if not hasattr(loaded, name):
+                raise AttributeError(f"{module} defines no {name!r}")
+            return getattr(loaded, name)
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{what} = {path!r} cannot be imported as 'module:name' or 'file.py:name': {e}") from None

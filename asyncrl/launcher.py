@@ -61,17 +61,14 @@ def check_inputs(cfg: Config, log=print) -> None:
         else:
             _check_hub_model(cfg.model.path)
     load_tasks(cfg.task)
-    agents = [a for a in [cfg.agent.path, *(m.agent for m in cfg.task.mix)] if a]
+    agents = {path for path in cfg.agent_paths().values() if path}
     if agents:
         from asyncrl.agents.runner import chat_template, load_agent
 
         for path in agents:
             load_agent(path)
         chat_template(cfg.agent.chat_template)
-    try:
-        get_objective(cfg.objective.name, cfg.objective.import_path)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"objective.import_path = {cfg.objective.import_path!r} cannot be imported: {e}") from None
+    get_objective(cfg.objective.name, cfg.objective.import_path)
 
 
 def _check_hub_model(name: str) -> None:

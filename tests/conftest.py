@@ -1,6 +1,8 @@
 """Shared fixtures: one tiny warm-started policy for the whole session, and a job runner."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -40,6 +42,20 @@ def calc_model(tmp_path_factory) -> str:
         "hidden_size": 64, "layers": 2, "lr": 3e-3}})
     warmstart(cfg, out, log=lambda *a, **k: None)
     return str(out)
+
+
+@contextlib.contextmanager
+def inference_server(tmp_path: Path, model: str):
+    """A real inference server process for `model`: yields (url, run_dir)."""
+    from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
+
+    run_dir = prepare_run_dir(job_config(tmp_path, model))
+    proc = start_role("inference", run_dir, threads=1)
+    try:
+        wait_for_inference(proc, run_dir, 60)
+        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir
+    finally:
+        stop({"inference": proc})
 
 
 def job_config(tmp_path: Path, model: str, **overrides):

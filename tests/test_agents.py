@@ -13,24 +13,17 @@ from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner, EpisodeQueue
 from asyncrl.events import EventLog, read_events
 from asyncrl.inference.client import InferenceClient
-from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
 from asyncrl.orchestrator.rollout import rollout_agent_group
 from asyncrl.rewards.pool import VerifierPool
-from conftest import job_config
+from conftest import inference_server, job_config
 
 HELPERS = str(Path(helpers.__file__))
 
 
 @pytest.fixture(scope="module")
 def server(calc_model, tmp_path_factory):
-    cfg = job_config(tmp_path_factory.mktemp("agents"), calc_model)
-    run_dir = prepare_run_dir(cfg)
-    proc = start_role("inference", run_dir, threads=1)
-    try:
-        wait_for_inference(proc, run_dir, 60)
-        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir, calc_model
-    finally:
-        stop({"inference": proc})
+    with inference_server(tmp_path_factory.mktemp("agents"), calc_model) as (url, run_dir):
+        yield url, run_dir, calc_model
 
 
 @contextlib.asynccontextmanager

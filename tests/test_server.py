@@ -6,25 +6,16 @@ import torch
 
 from asyncrl import weights
 from asyncrl.inference.client import InferenceClient, InferenceError
-from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
 from asyncrl.model import load_policy
 from asyncrl.trainer.step import collate, token_logprobs
 from asyncrl.trajectory import Trajectory
-from conftest import job_config
+from conftest import inference_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    cfg = job_config(tmp_path_factory.mktemp("srv"), tiny_model)
-    run_dir = prepare_run_dir(cfg)
-    proc = start_role("inference", run_dir, threads=1)
-    try:
-        wait_for_inference(proc, run_dir, 60)
-        import json
-
-        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir, tiny_model
-    finally:
-        stop({"inference": proc})
+    with inference_server(tmp_path_factory.mktemp("srv"), tiny_model) as (url, run_dir):
+        yield url, run_dir, tiny_model
 
 
 def call(coro_fn, url):

@@ -49,8 +49,11 @@ def load_agent(path: str):
 
 
 def chat_template(name: str | None) -> str | None:
-    if name is None or name == "tiny":
-        return TINY_CHAT_TEMPLATE if name else None
+    """agent.chat_template: None (the tokenizer's own), "tiny", or a jinja file's text."""
+    if name is None:
+        return None
+    if name == "tiny":
+        return TINY_CHAT_TEMPLATE
     try:
         return open(name).read()
     except OSError as e:
@@ -149,7 +152,9 @@ class AgentContext:
         return self._openai
 
     async def call_tool(self, tool: Tool, arguments: dict | str) -> ToolResult:
-        result = await tool.run(arguments, self.runner.cfg.timeouts.tool)
+        return self._record(await tool.run(arguments, self.runner.cfg.timeouts.tool))
+
+    def _record(self, result: ToolResult) -> ToolResult:
         self.episode.tool_calls.append({"name": result.name, "seconds": round(result.seconds, 4), "error": result.error})
         if result.error:
             self.runner.events.write("tool_error", episode=self.episode_id, tool=result.name, error=result.error)
@@ -162,12 +167,11 @@ class AgentContext:
             name = call["function"]["name"]
             found = find_tool(tools, name)
             if found is None:
-                text = f"error: no tool named {name!r}; tools: {', '.join(t.name for t in tools)}"
-                self.episode.tool_calls.append({"name": name, "seconds": 0.0, "error": text})
-                self.runner.events.write("tool_error", episode=self.episode_id, tool=name, error=text)
+                error = f"no tool named {name!r}; tools: {', '.join(t.name for t in tools)}"
+                result = self._record(ToolResult(name, f"error: {error}", error, 0.0))
             else:
-                text = (await self.call_tool(found, call["function"].get("arguments") or {})).text
-            return {"role": "tool", "tool_call_id": call.get("id"), "content": text}
+                result = await self.call_tool(found, call["function"].get("arguments") or {})
+            return {"role": "tool", "tool_call_id": call.get("id"), "content": result.text}
         return list(await asyncio.gather(*(one(c) for c in tool_calls)))
 
     def reward(self, value: float) -> None:
@@ -183,7 +187,7 @@ class AgentContext:
 class AgentRunner:
     def __init__(self, cfg, client, tokenizer, verifiers, events):
         self.cfg, self.client, self.verifiers, self.events = cfg, client, verifiers, events
-        self.agent_of = {tag: load_agent(path) for tag, path in self.agent_paths(cfg).items() if path}
+        self.agent_of = {tag: load_agent(path) for tag, path in cfg.agent_paths().items() if path}
         self.renderer = Renderer(tokenizer, chat_template(cfg.agent.chat_template))
         self.queue = EpisodeQueue(cfg.agent.max_concurrent_episodes, cfg.agent.scheduling)
         self.sessions: dict[str, PolicySession] = {}  # running episodes, by id (the proxy's routing table)
@@ -191,13 +195,6 @@ class AgentRunner:
         self.limits = Limits(cfg.agent.max_turns, cfg.agent.max_episode_tokens, cfg.rollout.max_tokens)
         self.stop_ids = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(cfg.agent.stop_tokens)
         self._http = None
-
-    @staticmethod
-    def agent_paths(cfg) -> dict[str | None, str | None]:
-        """Each task's agent (by task label; None: the single task of a run without task.mix)."""
-        if cfg.task.mix:
-            return {m.tag: m.agent or cfg.agent.path for m in cfg.task.mix}
-        return {None: cfg.agent.path}
 
     def agent_for(self, task: dict):
         """The agent that plays `task`; None: the task is a single completion."""

@@ -168,8 +168,8 @@ class Engine:
     def _admit(self) -> None:
         # Each admission is a prefill forward plus a copy of the whole running KV cache. When
         # requests trickle in one by one (agent turns), admitting each at once pays that per
-        # request; holding them a few steps, until a quarter of the running batch is waiting,
-        # admits them together. An idle engine admits at once.
+        # request; holding them back (ADMIT_WITHIN_STEPS) until a quarter of the running batch is
+        # waiting admits them together. An idle engine admits at once.
         if not self.waiting:
             return
         if self.running and len(self.waiting) < len(self.running) // 4 and self.held < ADMIT_WITHIN_STEPS:

@@ -1,12 +1,13 @@
 """Objectives: one file each, one `loss(inp, cfg)` function, registered here by name.
 
 The registry maps names to import paths so that config validation can list the names without
-importing torch. A user's own objective is `objective.import_path = "module:function"`.
+importing torch. A user's own objective is `objective.import_path = "module:function"` (or "file.py:function").
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable
+
+from asyncrl.imports import import_object
 
 REGISTRY: dict[str, str] = {
     "ppo_clip": "asyncrl.objectives.ppo_clip:loss",
@@ -26,5 +27,4 @@ def get_objective(name: str, import_path: str | None = None) -> Callable:
     target = import_path or REGISTRY.get(name)
     if target is None:
         raise KeyError(f"objective {name!r} is not registered; known: {', '.join(REGISTRY)}")
-    module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)
+    return import_object(target, "objective.import_path")

@@ -58,8 +58,8 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
-        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) \
-            if any(AgentRunner.agent_paths(cfg).values()) else None
+        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) if any(cfg.agent_paths().values()) \
+            else None
         self._restore()
 
     @staticmethod

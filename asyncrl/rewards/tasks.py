@@ -122,9 +122,10 @@ class MixedTasks:
         for mix in cfg.mix:
             sub = TaskConfig(name=mix.name, path=mix.path, eval_path=mix.eval_path, params=mix.params,
                              prompt_format=mix.prompt_format, verifier=mix.verifier, seed=cfg.seed)
-            if held_out and mix.name == "jsonl" and not mix.eval_path:
-                continue  # no held-out rows for this task
-            self.sources[mix.tag] = TaskSource(sub, seed=seed, path=mix.eval_path if held_out else mix.path)
+            source = load_tasks(sub, held_out, seed)
+            if source is None:  # no held-out rows for this task
+                continue
+            self.sources[mix.tag] = source
             self.tags.append(mix.tag)
             self.weights.append(mix.weight)
 
