@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
-from dataclasses import asdict
 from pathlib import Path
 
 from asyncrl import weights
@@ -92,7 +91,7 @@ class Ledger:
         """The group's scored samples (state ready), its unusable ones (id, reason), and any
         orchestrator state that changed with it (e.g. a running baseline), atomically."""
         rows = [("INSERT INTO samples VALUES (?, ?, 'ready', NULL, NULL, ?, ?, NULL, ?)",
-                 (t.id, prompt_id, t.oldest_version, t.reward, json.dumps(asdict(t)))) for t in group]
+                 (t.id, prompt_id, t.oldest_version, t.reward, t.to_json())) for t in group]
         rows += [("INSERT INTO samples VALUES (?, ?, 'dropped', NULL, NULL, NULL, NULL, ?, NULL)",
                   (sample_id, prompt_id, reason)) for sample_id, reason in dropped]
         rows += [("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v))) for k, v in (meta or {}).items()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from asyncrl.profile import COMPUTE, WAITING
+
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     steps, evals = [], []
@@ -40,7 +42,67 @@ def summarize(steps: list[dict], evals: list[dict]) -> dict:
         "train_tokens_per_s": round(mean(steps, "train_tokens_per_s"), 1),
         "trainer_busy_fraction": round(last["trainer_busy_seconds"] / max(last["trainer_busy_seconds"] + last["trainer_idle_seconds"], 1e-9), 3),
         "inference_busy_fraction": round(last["inference_busy_seconds"] / max(last["inference_busy_seconds"] + last["inference_idle_seconds"], 1e-9), 3),
+        **profile_summary(profile(last)),
     }
+
+
+def profile(record: dict) -> dict[str, dict[str, float]]:
+    """{role: {phase: seconds}} from one step record's running totals; each role's phases add up to
+    its uptime ("other" is what no phase timed). The orchestrator's row is CPU time, the verifiers'
+    too (their processes idle otherwise)."""
+    roles: dict[str, dict[str, float]] = {}
+    for key, value in record.items():
+        if key.startswith("time/"):
+            _, role, phase = key.split("/", 2)
+            roles.setdefault(role, {})[phase] = value
+    for role, phases in roles.items():
+        uptime = phases.pop("uptime", None)
+        if role == "orchestrator":
+            cpu = phases.pop("cpu", 0.0)
+            phases["http_and_bookkeeping"] = max(0.0, cpu - sum(phases.values()))
+            phases["off_cpu"] = max(0.0, (uptime or cpu) - cpu)
+        elif uptime is not None:
+            phases["idle" if role == "inference" else "other"] = max(0.0, uptime - sum(phases.values()))
+    return roles
+
+
+def profile_summary(roles: dict[str, dict[str, float]]) -> dict:
+    """Compute per role, the framework's share of the compute roles' time, and what bounds the run.
+
+    Framework time is every timed phase that is neither a role's compute nor waiting: batch files,
+    collation, publishing and loading weights, responses, the orchestrator's CPU. Its fraction is
+    over 2 × the trainer's uptime: the generation and training roles' time together."""
+    if "trainer" not in roles or "inference" not in roles:
+        return {}
+    framework = sum(v for role in ("trainer", "inference") for k, v in roles[role].items()
+                    if k not in COMPUTE and k not in WAITING)
+    framework += sum(v for k, v in roles.get("orchestrator", {}).items() if k != "off_cpu")
+    compute = {role: sum(v for k, v in phases.items() if k in COMPUTE) for role, phases in roles.items()}
+    wall = sum(roles["trainer"].values())
+    return {
+        "generation_seconds": round(compute["inference"], 1),
+        "training_compute_seconds": round(compute["trainer"], 1),
+        "scoring_seconds": round(compute.get("verifiers", 0.0), 1),
+        "framework_seconds": round(framework, 1),
+        "framework_overhead_fraction": round(framework / max(2 * wall, 1e-9), 3),
+        "bound_by": max(("inference", "trainer"), key=lambda r: compute[r]),
+    }
+
+
+def plot_profile(ax, roles: dict[str, dict[str, float]]) -> None:
+    """One horizontal bar per role, its phases stacked in seconds."""
+    import matplotlib
+
+    names = list(roles)
+    phases = list(dict.fromkeys(p for r in names for p in roles[r]))
+    cmap = matplotlib.colormaps["tab20"]
+    for i, phase in enumerate(phases):
+        widths = [roles[r].get(phase, 0.0) for r in names]
+        lefts = [sum(v for q, v in roles[r].items() if phases.index(q) < i) for r in names]
+        hatch = "//" if phase in WAITING or phase in ("off_cpu", "idle") else None
+        ax.barh(names, widths, left=lefts, color=cmap(i % 20), hatch=hatch, label=phase, edgecolor="white")
+    ax.set(xlabel="seconds (orchestrator, verifiers: CPU)", title="where each role's time went")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
 
 
 def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
@@ -49,7 +111,8 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    roles = profile(steps[-1])
+    fig, axes = plt.subplots(1, 4 if roles else 3, figsize=(20 if roles else 15, 4))
     t = [r["time"] for r in steps]
     ax = axes[0]
     rewards = [r["reward"] for r in steps]
@@ -72,6 +135,8 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     ax.plot(t, [r.get("train_tokens_per_s", 0) for r in steps], label="training tok/s")
     ax.set(xlabel="wall time (s)", ylabel="tokens/s", title="throughput")
     ax.legend()
+    if roles:
+        plot_profile(axes[3], roles)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -83,11 +148,19 @@ def table(summary: dict) -> str:
     return f"| metric | value |\n|---|---|\n{rows}\n"
 
 
+def profile_table(roles: dict[str, dict[str, float]]) -> str:
+    rows = "\n".join(f"| {role} | " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+                     + " |" for role, phases in roles.items())
+    return f"| role | phases, largest first |\n|---|---|\n{rows}\n"
+
+
 def write_report(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     steps, evals = read_metrics(run_dir)
     summary = summarize(steps, evals)
     if steps:
         plot(steps, evals, run_dir / "report.png", f"asyncrl run {run_dir.name}")
-    (run_dir / "report.md").write_text(f"# Run {run_dir.name}\n\n![curves](report.png)\n\n{table(summary)}")
+    roles = profile(steps[-1]) if steps else {}
+    (run_dir / "report.md").write_text(f"# Run {run_dir.name}\n\n![curves](report.png)\n\n{table(summary)}"
+                                       + (f"\n## Where the time went (seconds)\n\n{profile_table(roles)}" if roles else ""))
     return summary

@@ -10,7 +10,7 @@
 
 One worker thread owns the engine and runs it with continuous batching; requests join the
 running batch at the next token boundary. A weight update lands at a token boundary too
-(`policy`: interrupt, abort or finish; default inference.update_policy).
+(`policy`: interrupt, keep, abort or finish; default inference.update_policy).
 
 Run as `python -m asyncrl.inference.server RUN_DIR`; it writes RUN_DIR/inference.json with its URL.
 """
@@ -34,6 +34,7 @@ from asyncrl.config import read_run_config
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.model import load_policy
+from asyncrl.profile import Phases
 
 
 class Worker:
@@ -52,7 +53,7 @@ class Worker:
         self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
         self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
         self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
-        self.busy_seconds = 0.0
+        self.phases = Phases()  # generate, load_weights (engine thread), respond (event loop)
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
 
@@ -85,13 +86,12 @@ class Worker:
                 except Exception as e:
                     self._resolve(future, exc=e)
             if not self.paused and self.engine.has_work():
-                start = time.monotonic()
                 try:
-                    self.engine.step()
+                    with self.phases("generate"):
+                        self.engine.step()
                 except Exception as e:  # fail the requests in flight, keep serving
                     print(f"inference: engine step failed: {type(e).__name__}: {e}", flush=True)
                     self.engine.abort_all()
-                self.busy_seconds += time.monotonic() - start
 
     def _apply_commands(self, block: bool) -> None:
         while True:
@@ -129,8 +129,9 @@ class Worker:
         policy = body.get("policy") or self.update_policy
 
         def load() -> dict:  # runs at the token boundary where the new weights take over
-            how = self._write_weights(body)
-            self.engine.reload(None, body["version"], policy)
+            with self.phases("load_weights"):
+                how = self._write_weights(body)
+                self.engine.reload(None, body["version"], policy)
             return {"version": body["version"], "loaded_from": how}
 
         if policy == "finish" and self.engine.running:
@@ -168,7 +169,7 @@ class Worker:
         self._resolve(future, {"aborted": self.engine.abort_all()})
 
 
-UPDATE_POLICIES = ("interrupt", "abort", "finish")
+UPDATE_POLICIES = ("interrupt", "keep", "abort", "finish")
 
 
 class BadRequest(ValueError):
@@ -208,6 +209,27 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
 
+def _completion_response(samples, n: int, prompts: list[list[int]], tokenizer, model_name: str) -> web.Response:
+    choices = [
+        {
+            "index": i,
+            "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
+            "token_ids": s.token_ids,
+            "logprobs": {"token_logprobs": s.logprobs},
+            "versions": s.versions,
+            "finish_reason": s.finish_reason,
+            "prompt_index": i // n,
+        }
+        for i, s in enumerate(samples)
+    ]
+    completion_tokens = sum(len(s.token_ids) for s in samples)
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
+        "model": model_name, "choices": choices,
+        "usage": {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": completion_tokens},
+    })
+
+
 def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application:
     engine = worker.engine
     vocab = engine.model.get_input_embeddings().num_embeddings
@@ -223,24 +245,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
             return _error(429, f"{worker.waiting()} sequences are already waiting "
                                f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later")
         samples = await worker.call("generate", prompts, params)
-        choices = [
-            {
-                "index": i,
-                "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                "token_ids": s.token_ids,
-                "logprobs": {"token_logprobs": s.logprobs},
-                "versions": s.versions,
-                "finish_reason": s.finish_reason,
-                "prompt_index": i // n,
-            }
-            for i, s in enumerate(samples)
-        ]
-        completion_tokens = sum(len(s.token_ids) for s in samples)
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": completion_tokens},
-        })
+        with worker.phases("respond"):
+            return _completion_response(samples, n, prompts, tokenizer, model_name)
 
     async def update_weights(request: web.Request) -> web.Response:
         """{"path": full safetensors, "version": v, optional "patch" + "base_version" (a sparse
@@ -272,7 +278,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({
             "tokens_generated": engine.tokens_generated, "tokens_discarded": engine.tokens_discarded,
-            "busy_seconds": worker.busy_seconds, "uptime_seconds": time.monotonic() - worker.started,
+            "busy_seconds": worker.phases.seconds["generate"], "uptime_seconds": time.monotonic() - worker.started,
+            "phases": dict(worker.phases.seconds),
             "version": engine.version, "running": len(engine.running), "waiting": worker.waiting(),
         })
 

@@ -35,6 +35,7 @@ from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.rollout import all_or_none, rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
+from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool, VerifierError
 from asyncrl.rewards.tasks import BadTaskRow, MixedTasks, TaskSource, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
@@ -55,6 +56,7 @@ class Orchestrator:
         self.failure: Exception | None = None  # first rollout error; ends the run
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight: set[asyncio.Task] = set()
+        self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
@@ -93,6 +95,7 @@ class Orchestrator:
         os.replace(tmp, self.run_dir / "metrics.jsonl")
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.last_gen = (time.monotonic(), None)
+        self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
         if self.cursor:
             self.events.write("orchestrator_resumed", served_version=self.served_version, cursor=self.cursor,
                               reissued=len(self.reissue), ready_groups=len(self.ready), next_step=self.next_step,
@@ -216,8 +219,9 @@ class Orchestrator:
             for traj, adv in zip(group, self.advantages([t.reward for t in group])):
                 traj.advantages = [adv if m else 0.0 for m in traj.loss_mask]
         baseline = getattr(self.advantages, "value", None)
-        self.ledger.finish(index, group, [(d["id"], d["reason"]) for d in dropped],
-                           meta={"baseline": baseline} if baseline is not None else None)
+        with self.phases("ledger"):
+            self.ledger.finish(index, group, [(d["id"], d["reason"]) for d in dropped],
+                               meta={"baseline": baseline} if baseline is not None else None)
         if group:
             self.ready.append(group)
         else:
@@ -246,8 +250,10 @@ class Orchestrator:
                                   prompt_id=group[0].prompt_id, oldest_version=oldest)
                 await self._notify()
             trajs = [t for g in batch for t in g]
-            self.ledger.batch(step, trajs, self._batch_stats(step, trajs, dropped))
-            self._write_batch(step, trajs)
+            with self.phases("ledger"):
+                self.ledger.batch(step, trajs, self._batch_stats(step, trajs, dropped))
+            with self.phases("write_batch"):
+                self._write_batch(step, trajs)
         self.assembled = True
         await self._notify()
 
@@ -365,9 +371,18 @@ class Orchestrator:
             "trainer_busy_seconds": marker.pop("busy_seconds"),
             "trainer_idle_seconds": marker.pop("idle_seconds"),
             "orchestrator_cpu_seconds": time.process_time(),
+            **self._profile(stats),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
             **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash", "batch_digest")},
         }
+
+    def _profile(self, stats: dict) -> dict:
+        """Running totals of where each role's time went (asyncrl/profile.py), for the report's chart."""
+        inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
+        return {**inference, "time/inference/uptime": stats["uptime_seconds"], **self.phases.totals("time/orchestrator"),
+                "time/orchestrator/cpu": time.process_time() - self.cpu_at_start,
+                "time/orchestrator/uptime": time.monotonic() - self.up_since,
+                "time/verifiers/score": self.verifiers.cpu_seconds}
 
     async def evaluate(self) -> None:
         """Greedy accuracy on the fixed held-out set, under whatever version the server holds."""
@@ -405,12 +420,9 @@ class Orchestrator:
         """(score per item, versions that sampled) of one greedy completion per item."""
         choices = await self._server(
             lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
-        scores = []
-        for choice, entry in zip(choices, entries):
-            try:
-                scores.append(await self.verifiers.score(choice["text"], entry, self.cfg.timeouts.verifier))
-            except VerifierError:  # an unscorable answer counts as wrong
-                scores.append(0.0)
+        results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
+                                                  self.cfg.timeouts.verifier)
+        scores = [0.0 if isinstance(r, VerifierError) else r for r in results]  # an unscorable answer counts as wrong
         return scores, [min(c["versions"]) for c in choices if c["versions"]]
 
     async def _evaluate_agents(self, entries: list[dict], prompts: list[list[int]]):

@@ -10,12 +10,10 @@ from asyncrl.rewards.pool import VerifierError, VerifierPool
 from asyncrl.trajectory import Trajectory
 
 
-async def score(verifiers: VerifierPool, text: str, entry: dict, timeout: float) -> tuple[float | None, str | None]:
-    """(reward, None) or (None, error message): a verifier that raises, hangs or returns NaN fails one sample."""
-    try:
-        reward = await verifiers.score(text, entry, timeout)
-    except VerifierError as e:
-        return None, str(e)
+def checked(reward) -> tuple[float | None, str | None]:
+    """(reward, None) or (None, error message): a verifier that raised, hung or returned NaN fails one sample."""
+    if isinstance(reward, VerifierError):
+        return None, str(reward)
     if not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return None, f"verifier returned {reward!r}, not a finite number"
     return float(reward), None
@@ -28,8 +26,8 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
     started = time.monotonic()
     choices = await client.complete([prompt], ro.group_size, ro.max_tokens, ro.temperature, ro.top_p)
     generated = time.monotonic()
-    scores = iter(await asyncio.gather(*(score(verifiers, c["text"], entry, cfg.timeouts.verifier)
-                                         for c in choices if c["finish_reason"] != "abort")))
+    scores = iter(map(checked, await verifiers.score_many(
+        [(c["text"], entry) for c in choices if c["finish_reason"] != "abort"], cfg.timeouts.verifier)))
     scored, dropped = [], []
     for k, choice in enumerate(choices):
         sample_id = f"{index}-{k}"

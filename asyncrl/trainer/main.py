@@ -22,6 +22,7 @@ from asyncrl.heartbeat import Heartbeat
 from asyncrl.ledger import batch_digest
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
+from asyncrl.profile import Phases
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import batch_path, read_batch
 
@@ -99,41 +100,49 @@ def main(run_dir: str) -> None:
     serving_dtype = getattr(torch, cfg.inference.dtype)
     served = weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
     writer = checkpoint.CheckpointWriter(run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint)
-    busy = idle = 0.0
+    phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer")  # from here on a silent trainer is a stuck one
     events.write("trainer_ready", step=first_step)
     print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}, "
           f"steps {first_step}..{cfg.run.steps}", flush=True)
     for step in range(first_step, cfg.run.steps):
         t0 = time.monotonic()
-        trajs = read_batch(wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat))
+        with phases("wait_batch"):
+            path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat)
+        with phases("read_batch"):
+            trajs = read_batch(path)
         t1 = time.monotonic()
-        metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model)
+        metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases)
         metrics["lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         t2 = time.monotonic()
-        idle, busy = idle + (t1 - t0), busy + (t2 - t1)
         metrics.update(
-            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, busy_seconds=busy, idle_seconds=idle,
+            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0,
             train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
             batch_digest=batch_digest([t.id for t in trajs]),
         )
-        state = weights.model_state(model)
-        if served is not None:  # the patch lands before the marker that announces the version
-            new = weights.cast_state(state, serving_dtype)
-            patch, changed, total = weights.make_patch(served, new)
-            weights.save_patch(run_dir, step + 1, patch)
-            served = new
-            metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
+        with phases("publish"):
+            state = weights.model_state(model)
+            if served is not None:  # the patch lands before the marker that announces the version
+                new = weights.cast_state(state, serving_dtype)
+                patch, changed, total = weights.make_patch(served, new)
+                weights.save_patch(run_dir, step + 1, patch)
+                served = new
+                metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
-            metrics["checkpoint_stall_seconds"] = writer.save(step + 1, model, optimizer, scheduler)
-        publish_version(run_dir, step + 1, state, metrics, events)
-        # the server may be up to η + 1 versions behind, and must still find the one it serves
-        weights.prune(run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2))
+            with phases("checkpoint"):
+                metrics["checkpoint_stall_seconds"] = writer.save(step + 1, model, optimizer, scheduler)
+        with phases("publish"):
+            uptime = time.monotonic() - started
+            metrics.update(phases.totals("time/trainer"), **{"time/trainer/uptime": uptime},
+                           busy_seconds=uptime - phases.seconds["wait_batch"], idle_seconds=phases.seconds["wait_batch"])
+            publish_version(run_dir, step + 1, state, metrics, events)
+            # the server may be up to η + 1 versions behind, and must still find the one it serves
+            weights.prune(run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2))
         heartbeat.beat()
-        busy += time.monotonic() - t2
     writer.wait()
-    print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {idle:.1f}s, "
+    busy = time.monotonic() - started - phases.seconds["wait_batch"]
+    print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {phases.seconds['wait_batch']:.1f}s, "
           f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
 
 

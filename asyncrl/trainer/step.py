@@ -10,6 +10,7 @@ import math
 import torch
 
 from asyncrl.objectives.common import LossInputs
+from asyncrl.profile import Phases
 from asyncrl.trajectory import Trajectory
 
 
@@ -17,17 +18,12 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
     """Right-padded tensors; per-token fields are shifted to align with next-token logits."""
     width = max(len(t.tokens) for t in trajs)
 
-    def pad(field: str, fill, dtype) -> torch.Tensor:
-        out = torch.full((len(trajs), width), fill, dtype=dtype)
-        for row, t in enumerate(trajs):
-            values = getattr(t, field)
-            out[row, : len(values)] = torch.tensor(values, dtype=dtype)
-        return out
+    def pad(field: str, fill, dtype) -> torch.Tensor:  # one tensor from padded lists: no per-row copies
+        rows = [getattr(t, field) for t in trajs]
+        return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype)
 
     tokens = pad("tokens", pad_id, torch.long)
-    attention = torch.zeros_like(tokens)
-    for row, t in enumerate(trajs):
-        attention[row, : len(t.tokens)] = 1
+    attention = torch.tensor([[1] * len(t.tokens) + [0] * (width - len(t.tokens)) for t in trajs], dtype=torch.long)
     versions = pad("versions", -1, torch.long)[:, 1:]
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
@@ -44,16 +40,57 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
     }
 
 
+# A forward call's fixed cost in tokens' worth of compute: rows are only split into length buckets
+# when the padding a split saves outweighs the extra call (see length_buckets).
+CALL_COST_TOKENS = 256
+
+
+def length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped into runs of similar length, minimising Σ rows × longest + CALL_COST_TOKENS
+    per group: a long-tailed batch padded to its longest row wastes most of its compute on padding.
+
+    Exact by dynamic programming over the distinct lengths (sorted, a group is a contiguous range)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    widths = sorted(set(lengths))
+    ends = [sum(1 for n in lengths if n <= w) for w in widths]  # rows with length <= widths[j]
+    best, cut = [0.0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
+    for j in range(1, len(widths) + 1):
+        for i in range(j):
+            cost = best[i] + (ends[j - 1] - (ends[i - 1] if i else 0)) * widths[j - 1] + CALL_COST_TOKENS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(widths)
+    while j:
+        i = cut[j]
+        groups.append(order[(ends[i - 1] if i else 0): ends[j - 1]])
+        j = i
+    return groups[::-1]
+
+
 def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False):
     """(log π(target) per position, entropy per position); temperature as the engine sampled.
 
-    The entropy keeps its graph only when a bonus needs its gradient (it costs a [B, T, V] term).
+    Rows go through the model in length buckets, each cut to its own longest row (no padding
+    compute), and come back in batch order, padded with zeros. The entropy keeps its graph only
+    when a bonus needs its gradient (it costs a [B, T, V] term).
     """
-    logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    source = logprobs if entropy_grad else logprobs.detach()
-    entropy = -(source.exp() * source).sum(-1)
-    return logprobs.gather(-1, batch["targets"][..., None]).squeeze(-1), entropy
+    lengths = batch["attention"].sum(-1).tolist()
+    width = batch["tokens"].shape[1] - 1
+    logp_parts, entropy_parts, rows = [], [], []
+    for group in length_buckets(lengths):
+        idx = torch.tensor(group, device=batch["tokens"].device)
+        w = int(max(lengths[r] for r in group))
+        tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
+        logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        source = logprobs if entropy_grad else logprobs.detach()
+        pad = (0, width - (w - 1))
+        entropy_parts.append(torch.nn.functional.pad(-(source.exp() * source).sum(-1), pad))
+        logp_parts.append(torch.nn.functional.pad(logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1), pad))
+        rows += group
+    back = torch.empty(len(rows), dtype=torch.long, device=batch["tokens"].device)
+    back[torch.tensor(rows, device=back.device)] = torch.arange(len(rows), device=back.device)
+    return torch.cat(logp_parts)[back], torch.cat(entropy_parts)[back]
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -96,16 +133,19 @@ def _rows(batch: dict, rows: slice) -> dict:
 
 
 def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
-               ref_model=None) -> dict:
-    """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics."""
+               ref_model=None, phases: Phases | None = None) -> dict:
+    """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics.
+    `phases` accumulates the seconds of collate, recompute, forward_backward, optimizer and metrics."""
+    phases = phases or Phases()
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version).items()}
-    batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
+    with phases("collate"):
+        batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version).items()}
+        batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
     obj = cfg.objective
     recompute = obj.prox == "recompute" and cfg.trainer.minibatches > 1
     if recompute:  # with a single minibatch the current weights are the proximal policy already
-        with torch.no_grad():
+        with phases("recompute"), torch.no_grad():
             batch["prox"] = token_logprobs(model, batch, temperature)[0]
     n = len(trajs)
     bounds = [round(i * n / cfg.trainer.minibatches) for i in range(cfg.trainer.minibatches + 1)]
@@ -115,33 +155,17 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
         if hi <= lo:
             continue
         mb = _rows(batch, slice(lo, hi))
-        logp, entropy = token_logprobs(model, mb, temperature, entropy_grad=obj.entropy_coef > 0)
-        if "prox" in mb:
-            prox = mb["prox"]
-        elif obj.prox == "loglinear":
-            prox = loglinear_prox(mb["behav"], logp, mb["staleness"])
-        else:
-            prox = logp.detach()
-        inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
-                         mb["rewards"], mb["groups"])
-        per_token, obj_metrics = objective(inp, obj)
-        if ref_model is not None and obj.kl_coef > 0:
-            with torch.no_grad():
-                ref = token_logprobs(ref_model, mb, temperature)[0]
-            kl = kl_penalty(logp, ref, obj.kl_estimator)
-            per_token = per_token + obj.kl_coef * kl
-            obj_metrics["kl_ref"] = float((kl.detach() * mb["mask"]).sum() / mb["mask"].sum().clamp(min=1))
-        if obj.entropy_coef > 0:
-            per_token = per_token - obj.entropy_coef * entropy
-        loss = torch.where(mb["mask"] > 0, per_token * mb["weights"], 0.0).sum()
-        optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):  # keep the weights; the step is recorded as skipped
-            skipped += 1
-            parts.append({"loss": float(loss), **obj_metrics})
-            continue
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-        _step_with_lr_scale(optimizer, obj_metrics.get("lr_scale", 1.0))
+        with phases("forward_backward"):
+            loss, logp, entropy, obj_metrics = _minibatch_loss(model, objective, mb, cfg, ref_model)
+            optimizer.zero_grad(set_to_none=True)
+            if not torch.isfinite(loss):  # keep the weights; the step is recorded as skipped
+                skipped += 1
+                parts.append({"loss": float(loss), **obj_metrics})
+                continue
+            loss.backward()
+        with phases("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+            _step_with_lr_scale(optimizer, obj_metrics.get("lr_scale", 1.0))
         parts.append({"loss": float(loss), "grad_norm": float(grad_norm), **obj_metrics})
         logp_all.append(logp.detach())
         entropy_all.append(entropy.detach())
@@ -149,8 +173,34 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     metrics["loss"] = sum(p["loss"] for p in parts)  # parts are slices of one token mean
     metrics["skipped_nonfinite"] = skipped
     if logp_all:
-        metrics.update(diagnostics(torch.cat(logp_all), torch.cat(entropy_all), batch))
+        with phases("metrics"):
+            metrics.update(diagnostics(torch.cat(logp_all), torch.cat(entropy_all), batch))
     return metrics
+
+
+def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
+    """(loss, logp, entropy, objective metrics) of one minibatch: forward, objective, KL and entropy terms."""
+    obj, temperature = cfg.objective, cfg.rollout.temperature
+    logp, entropy = token_logprobs(model, mb, temperature, entropy_grad=obj.entropy_coef > 0)
+    if "prox" in mb:
+        prox = mb["prox"]
+    elif obj.prox == "loglinear":
+        prox = loglinear_prox(mb["behav"], logp, mb["staleness"])
+    else:
+        prox = logp.detach()
+    inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
+                     mb["rewards"], mb["groups"])
+    per_token, obj_metrics = objective(inp, obj)
+    if ref_model is not None and obj.kl_coef > 0:
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, mb, temperature)[0]
+        kl = kl_penalty(logp, ref, obj.kl_estimator)
+        per_token = per_token + obj.kl_coef * kl
+        obj_metrics["kl_ref"] = float((kl.detach() * mb["mask"]).sum() / mb["mask"].sum().clamp(min=1))
+    if obj.entropy_coef > 0:
+        per_token = per_token - obj.entropy_coef * entropy
+    loss = torch.where(mb["mask"] > 0, per_token * mb["weights"], 0.0).sum()
+    return loss, logp, entropy, obj_metrics
 
 
 def _step_with_lr_scale(optimizer, scale: float) -> None:
