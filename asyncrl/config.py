@@ -203,8 +203,10 @@ class InferenceConfig(Section):
     max_waiting_sequences: int = Field(100_000, ge=1, description="beyond this, requests get 429")
     max_prompt_tokens: int = Field(256, ge=1)
     # what a weight update does to sequences mid-generation: interrupt (go on under the new
-    # weights: partial rollouts), abort (start them over), finish (drain them, then load)
-    update_policy: Literal["interrupt", "abort", "finish"] = "interrupt"
+    # weights, their KV caches recomputed: partial rollouts), keep (go on under the new weights
+    # with the caches as they are, PipelineRL's in-flight update: no recompute, the logprobs are
+    # still exactly the sampler's), abort (start them over), finish (drain them, then load)
+    update_policy: Literal["interrupt", "keep", "abort", "finish"] = "interrupt"
     # the dtype the engine serves in; the trainer's patches compare values in this dtype
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 

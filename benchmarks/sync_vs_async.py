@@ -1,7 +1,8 @@
 """The default job at max_staleness 0, 1 and 4: same seed, same budget of trained samples.
 
 With --policies it also compares what a weight update does to generation in flight
-(inference.update_policy: interrupt = partial rollouts, abort = re-generate, finish = drain
+(inference.update_policy: interrupt = partial rollouts, keep = the same without recomputing KV caches,
+abort = re-generate, finish = drain
 under the old version) at each η > 0.
 
 Prints wall time, samples/s and final held-out accuracy side by side (with ratios to η = 0) and
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=["interrupt"], choices=["interrupt", "abort", "finish"])
+    parser.add_argument("--policies", nargs="+", default=["interrupt"], choices=["interrupt", "keep", "abort", "finish"])
     parser.add_argument("--name", default="sync_vs_async", help="results file name")
     args, extra = parser.parse_known_args()
     cells = [(eta, p) for eta in args.etas for p in (args.policies if eta > 0 else args.policies[:1])]
