@@ -321,10 +321,83 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
         supervisor.stop()
 
 
+def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
+    """(cfg with the unset thread counts of overlapping CPU roles chosen from measured rates, the plan).
+
+    Only where there is a choice: roles that overlap (max_staleness > 0) on a CPU trainer and the
+    built-in engine, on a machine with cores to divide. The plan is cached per model, task and batch
+    shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
+    if (cfg.rollout.max_staleness == 0 or cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
+            or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
+        return cfg, None
+    plan = _cached_plan(cfg)
+    if plan is None:
+        log("planning threads: timing one step's generation and training at each thread count ...")
+        tmp = Path(cfg.run.root) / f".plan-{os.getpid()}.json"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, tmp)
+        try:
+            out = subprocess.run([sys.executable, "-m", "asyncrl.threads", str(tmp)], capture_output=True, text=True,
+                                 timeout=cfg.timeouts.startup, env=_role_env(os.cpu_count() or 1))
+            plan = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            out, plan = None, None
+        finally:
+            tmp.unlink(missing_ok=True)
+        if plan is None:
+            why = "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
+            log(f"planning threads failed; using the static split: {why}")
+            return cfg, None
+        _cache_plan(cfg, plan)
+    cfg = cfg.model_copy(deep=True)
+    cfg.inference.threads = cfg.inference.threads or plan["inference"]
+    cfg.trainer.threads = cfg.trainer.threads or plan["trainer"]
+    return cfg, plan
+
+
+def _plan_key(cfg: Config) -> str:
+    import hashlib
+
+    model = Path(cfg.model.path)
+    stamp = max((p.stat().st_mtime for p in model.glob("*.safetensors")), default=0) if model.is_dir() else 0
+    shape = [cfg.model.path, stamp, cfg.task.model_dump(mode="json"), cfg.rollout.model_dump(mode="json"),
+             cfg.objective.model_dump(mode="json"), cfg.trainer.minibatches, os.cpu_count()]
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _plan_cache(cfg: Config) -> Path:
+    return Path(cfg.run.root) / ".thread_plans.json"
+
+
+def _cached_plan(cfg: Config) -> dict | None:
+    try:
+        return json.loads(_plan_cache(cfg).read_text()).get(_plan_key(cfg))
+    except (OSError, ValueError):
+        return None
+
+
+def _cache_plan(cfg: Config, plan: dict) -> None:
+    path = _plan_cache(cfg)
+    try:
+        plans = json.loads(path.read_text())
+    except (OSError, ValueError):
+        plans = {}
+    plans[_plan_key(cfg)] = plan
+    path.write_text(json.dumps(plans, indent=1))
+
+
 def train(cfg: Config, log=print) -> Path:
     """Run a whole training job; returns the run directory (with its report)."""
     check_inputs(cfg, log)
+    cfg, plan = plan_threads(cfg, log)
     run_dir = prepare_run_dir(cfg)
+    if plan is not None:
+        (run_dir / "threads.json").write_text(json.dumps(plan, indent=1))
+        log(f"threads: inference {plan['inference']}, trainer {plan['trainer']} (predicted seconds per step: "
+            f"{plan['predicted_step_seconds']})")
+        if not plan["overlap_pays"]:
+            log("threads: on this machine the roles alternating (max_staleness 0, every core per phase) is predicted "
+                "to be faster than overlapping them; asynchrony pays here only through stragglers")
     log(f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"max_staleness {cfg.rollout.max_staleness}, objective {cfg.objective.name}, "
         f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}")

@@ -101,7 +101,8 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
             log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
     model.eval()
     # an agent task's accuracy needs its agent: the run's first evaluation measures it
-    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, min(cfg.task.eval_size, 200) or 200)
+    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, min(cfg.task.eval_size, 200) or 200,
+                                                               cfg.rollout.max_tokens)
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source}
     out.mkdir(parents=True, exist_ok=True)

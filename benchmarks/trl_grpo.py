@@ -1,0 +1,124 @@
+"""TRL's GRPOTrainer on an asyncrl task, set up the way asyncrl's run of the same config is.
+
+The baseline of benchmarks/vs_trl.py, run as its own process so it has the whole machine:
+
+    python benchmarks/trl_grpo.py OUT_DIR CONFIG_JSON
+
+CONFIG_JSON is an asyncrl config (config.json of a run, or `asyncrl.config.save_config`). Same
+model, tokenizer, prompts in the same order (items 0, 1, 2, ... of task.seed), group size,
+prompts per step, max tokens, temperature, learning rate and warm-up, Adam betas, clip range,
+token-mean (DAPO) loss, one optimizer step per generation batch, and the task's own verifier.
+Every `snapshot_every` steps the policy is saved with the training clock stopped; OUT_DIR gets
+snapshots/step_N/ and trl.json: [(step, training seconds)], samples, wall seconds.
+
+TRL is a benchmark dependency only: `pip install trl` (benchmarks/requirements.txt).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def dataset(cfg, size: int):
+    """The first `size` training prompts, in asyncrl's order, each with its task item for scoring."""
+    from datasets import Dataset
+
+    from asyncrl.rewards.tasks import load_tasks
+
+    tasks = load_tasks(cfg.task)
+    items = [tasks.item(i) for i in range(size)]
+    return Dataset.from_dict({"prompt": [tasks.prompt(e) for e in items],
+                              "entry": [json.dumps(e) for e in items]})
+
+
+def reward_function(cfg):
+    """The task's verifier (the same TaskSource.score asyncrl's verifier pool runs)."""
+    from asyncrl.rewards.tasks import load_tasks
+
+    tasks = load_tasks(cfg.task)
+
+    def task_reward(prompts, completions, entry, **_):
+        return [tasks.score(c, json.loads(e)) for c, e in zip(completions, entry)]
+
+    return task_reward
+
+
+class Clock:
+    """Training seconds since the first step, minus the time spent saving snapshots."""
+
+    def __init__(self, out: Path, every: int):
+        from transformers import TrainerCallback
+
+        clock = self
+        self.out, self.every, self.points, self.paused = out, every, [], 0.0
+        self.start = None
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                clock.start = time.monotonic()
+
+            def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+                if state.global_step % clock.every == 0 or state.global_step == state.max_steps:
+                    clock.snapshot(state.global_step, model, processing_class)
+
+        self.callback = Callback()
+
+    def now(self) -> float:
+        return time.monotonic() - self.start - self.paused
+
+    def snapshot(self, step: int, model, tokenizer) -> None:
+        self.points.append((step, round(self.now(), 3)))
+        began = time.monotonic()
+        model.save_pretrained(self.out / "snapshots" / f"step_{step:06d}")
+        tokenizer.save_pretrained(self.out / "snapshots" / f"step_{step:06d}")
+        self.paused += time.monotonic() - began
+
+
+def main(out_dir: str, config_json: str) -> None:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncrl.config import Config
+    from asyncrl.model import load_policy
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Config.model_validate_json(Path(config_json).read_text())
+    every = int(os.environ.get("SNAPSHOT_EVERY", "10"))
+    threads = int(os.environ.get("TRL_THREADS", os.cpu_count() or 1))
+    torch.set_num_threads(threads)
+    ro, obj, tr = cfg.rollout, cfg.objective, cfg.trainer
+    model, tokenizer = load_policy(cfg.model.path)
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, use_vllm=False, seed=cfg.run.seed, max_steps=cfg.run.steps,
+        per_device_train_batch_size=ro.prompts_per_step * ro.group_size, gradient_accumulation_steps=1,
+        num_generations=ro.group_size, steps_per_generation=1, num_iterations=1,
+        max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=0,
+        learning_rate=tr.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=tr.warmup_steps,
+        adam_beta1=tr.betas[0], adam_beta2=tr.betas[1], weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
+        epsilon=obj.eps_low, epsilon_high=obj.eps_high, beta=0.0, loss_type="dapo", scale_rewards="group",
+        gradient_checkpointing=False, shuffle_dataset=False, disable_dropout=True, bf16=False,
+        logging_steps=10, save_strategy="no", report_to="none", dataloader_num_workers=0,
+    )
+    clock = Clock(out, every)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_function(cfg), args=args,
+                          train_dataset=dataset(cfg, cfg.run.steps * ro.prompts_per_step),
+                          processing_class=tokenizer, callbacks=[clock.callback])
+    began = time.monotonic()
+    trainer.train()
+    wall = time.monotonic() - began
+    samples = cfg.run.steps * ro.prompts_per_step * ro.group_size
+    (out / "trl.json").write_text(json.dumps({
+        "points": clock.points, "train_seconds": round(clock.now(), 2), "wall_seconds": round(wall, 2),
+        "samples": samples, "samples_per_s": round(samples / clock.now(), 2), "threads": threads,
+        "log": trainer.state.log_history}, indent=1))
+    print(f"trl: {cfg.run.steps} steps in {clock.now():.1f}s of training, {samples / clock.now():.1f} samples/s",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
