@@ -6,7 +6,8 @@
 For each workload and seed, one system after the other (each has the whole machine):
   trl    TRL GRPOTrainer, use_cpu=True, use_vllm=False, every core (benchmarks/trl_grpo.py)
   η=0    asyncrl synchronous: the roles alternate, each with every core
-  η=k    asyncrl asynchronous: the thread split the run plans from measured rates
+  η=k    asyncrl asynchronous: the thread split the run plans from measured rates, weight
+         updates in flight without KV recompute (--update-policy keep)
 Same warm-started tiny model and tokenizer, task, verifier, prompts in the same order, prompts
 per step × samples per prompt, learning rate, clip range, loss aggregation and seeds (run.seed
 and task.seed = 1 + seed). Every system saves its policy every `--snapshot-every` steps; after
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 4], help="asyncrl max_staleness values")
+    parser.add_argument("--update-policy", default="keep", help="inference.update_policy of the asynchronous runs")
     parser.add_argument("--no-trl", action="store_true", help="asyncrl only (TRL not installed)")
     parser.add_argument("--steps", type=int, default=None, help="override every workload's step count")
     parser.add_argument("--snapshot-every", type=int, default=10)
@@ -220,7 +222,8 @@ def main() -> None:
             systems = ([] if args.no_trl else ["trl"]) + [f"η={eta}" for eta in args.etas]
             for system in systems:
                 tag = f"vs_trl-{name}-{'trl' if system == 'trl' else 'eta' + system[2:]}-s{seed}"
-                eta = ["--rollout.max_staleness", system[2:]] if system != "trl" else []
+                eta = ["--rollout.max_staleness", system[2:], "--inference.update_policy", args.update_policy] \
+                    if system != "trl" else []
                 cfg = workload_config(name, seed, steps, args.snapshot_every, ["--run.name", tag, *eta, *extra])
                 print(f"\n=== {name} seed {seed}: {system} ({steps} steps) ===", flush=True)
                 r = run_trl(cfg, RUNS / tag, args.snapshot_every) if system == "trl" else run_asyncrl(cfg)
