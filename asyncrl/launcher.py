@@ -322,12 +322,12 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
 
 
 def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
-    """(cfg with the unset thread counts of overlapping CPU roles chosen from measured rates, the plan).
+    """(cfg with the unset thread counts of the CPU roles chosen from measured rates, the plan).
 
-    Only where there is a choice: roles that overlap (max_staleness > 0) on a CPU trainer and the
-    built-in engine, on a machine with cores to divide. The plan is cached per model, task and batch
+    Only where there is a choice: a CPU trainer and the built-in engine, on a machine with more than
+    one core (asyncrl/threads.py). The plan is cached per model, task and batch
     shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
-    if (cfg.rollout.max_staleness == 0 or cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
+    if (cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
             or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
         return cfg, None
     plan = _cached_plan(cfg)
@@ -360,8 +360,10 @@ def _plan_key(cfg: Config) -> str:
 
     model = Path(cfg.model.path)
     stamp = max((p.stat().st_mtime for p in model.glob("*.safetensors")), default=0) if model.is_dir() else 0
-    shape = [cfg.model.path, stamp, cfg.task.model_dump(mode="json"), cfg.rollout.model_dump(mode="json"),
-             cfg.objective.model_dump(mode="json"), cfg.trainer.minibatches, os.cpu_count()]
+    t, ro = cfg.task, cfg.rollout  # what the measured step's cost depends on
+    shape = [cfg.model.path, stamp, t.name, t.path, t.params, t.prompt_format, [m.model_dump(mode="json") for m in t.mix],
+             ro.prompts_per_step, ro.group_size, ro.max_tokens, ro.temperature, cfg.objective.name, cfg.objective.prox,
+             cfg.rollout.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -395,7 +397,7 @@ def train(cfg: Config, log=print) -> Path:
         (run_dir / "threads.json").write_text(json.dumps(plan, indent=1))
         log(f"threads: inference {plan['inference']}, trainer {plan['trainer']} (predicted seconds per step: "
             f"{plan['predicted_step_seconds']})")
-        if not plan["overlap_pays"]:
+        if cfg.rollout.max_staleness > 0 and not plan["overlap_pays"]:
             log("threads: on this machine the roles alternating (max_staleness 0, every core per phase) is predicted "
                 "to be faster than overlapping them; asynchrony pays here only through stragglers")
     log(f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "

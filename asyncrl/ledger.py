@@ -114,7 +114,7 @@ class Ledger:
     def ready_groups(self) -> list[list[Trajectory]]:
         groups: dict[int, list[Trajectory]] = {}
         for prompt_id, data in self.db.execute("SELECT prompt_id, data FROM samples WHERE state = 'ready' ORDER BY rowid"):
-            groups.setdefault(prompt_id, []).append(Trajectory(**json.loads(data)))
+            groups.setdefault(prompt_id, []).append(Trajectory.from_json(data))
         return list(groups.values())
 
     def drop_group(self, group: list[Trajectory], reason: str) -> None:
@@ -133,7 +133,7 @@ class Ledger:
         return [r[0] for r in self.db.execute("SELECT step FROM steps ORDER BY step")]
 
     def batch_samples(self, step: int) -> list[Trajectory]:
-        return [Trajectory(**json.loads(r[0])) for r in self.db.execute(
+        return [Trajectory.from_json(r[0]) for r in self.db.execute(
             "SELECT data FROM samples WHERE step = ? ORDER BY position", (step,))]
 
     def step_stats(self, step: int) -> dict:

@@ -1,11 +1,13 @@
 """How many CPU threads each role gets, chosen from measured rates.
 
-When the roles alternate (max_staleness 0) each may use every core. When they overlap, the cores
-are split between them: both roles using every core oversubscribes the machine, and spinning
+When the roles alternate (max_staleness 0) each may use every core, but more is not always
+faster: the tiny model decodes 3-4x slower on two threads than on one (each step is many small
+ops, and a thread pool synchronises on every one), while it trains 1.7x faster. So each role
+takes the count measured fastest for it. When the roles overlap, the cores are split between them: both roles using every core oversubscribes the machine, and spinning
 thread pools that preempt each other run several times slower than either alone. The planner
 times one step's generation G(n) and one training step T(n) at every thread count n, predicts a
 step of each split g + t = cores as max(G(g), T(t)) (the roles overlap; the slower bounds) and
-picks the fastest. It also predicts the alternating loop, G(cores) + T(cores): when that is
+picks the fastest. It also predicts the alternating loop, min G + min T: when that is
 faster, overlapping does not pay on this machine for this workload (more threads help little on
 small models, two are 1.1-1.6× faster than one for the tiny model, so it pays when the phases
 are balanced or a synchronous batch waits on stragglers) and the launcher says so. Run as `python -m asyncrl.threads CONFIG_JSON` (the launcher does, in a
@@ -61,21 +63,30 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
     return rates
 
 
-def choose(rates: dict[int, dict[str, float]], cores: int) -> dict:
-    """The split with the shortest predicted step, and every prediction (seconds per step)."""
+def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dict:
+    """Thread counts for the roles, with every plan's predicted seconds per step.
+
+    Alternating roles (`overlap` False, max_staleness 0) each take the count that is fastest for
+    them, which need not be all cores: tiny decode steps run slower on two threads than on one.
+    Overlapping roles split the cores and the slower of the two bounds a step."""
+    fastest = {phase: min(rates, key=lambda n: rates[n][phase]) for phase in ("generate", "train")}
     predicted = {f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)}
-    best = min(predicted, key=predicted.get)
-    predicted[ALTERNATE] = rates[cores]["generate"] + rates[cores]["train"]
-    inference, trainer = map(int, best.split("/"))
+    predicted[ALTERNATE] = rates[fastest["generate"]]["generate"] + rates[fastest["train"]]["train"]
+    if overlap and cores > 1:
+        best = min((k for k in predicted if k != ALTERNATE), key=predicted.get)
+        inference, trainer = map(int, best.split("/"))
+    else:
+        best, inference, trainer = ALTERNATE, fastest["generate"], fastest["train"]
     return {"inference": inference, "trainer": trainer, "plan": best, "cores": cores,
-            "overlap_pays": predicted[best] < predicted[ALTERNATE],
+            "overlap_pays": min(v for k, v in predicted.items() if k != ALTERNATE) < predicted[ALTERNATE]
+            if cores > 1 else False,
             "predicted_step_seconds": {k: round(v, 4) for k, v in predicted.items()},
             "measured_seconds": {n: {k: round(v, 4) for k, v in r.items()} for n, r in rates.items()}}
 
 
 def plan(cfg) -> dict:
     cores = os.cpu_count() or 1
-    return choose(measure(cfg, list(range(1, cores + 1))), cores)
+    return choose(measure(cfg, list(range(1, cores + 1))), cores, overlap=cfg.rollout.max_staleness > 0)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The unit of data that crosses process boundaries (DESIGN.md, "The unit of data")."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import orjson
 
 
 @dataclass
@@ -28,8 +29,12 @@ class Trajectory:
 
     def to_json(self) -> str:
         # the fields are plain JSON values already: no dataclasses.asdict deep copy (it was a fifth
-        # of the orchestrator's CPU)
-        return json.dumps(vars(self))
+        # of the orchestrator's CPU); orjson writes the float lists ~10x faster than json
+        return orjson.dumps(vars(self)).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Trajectory":
+        return cls(**orjson.loads(text))
 
     def staleness(self, trained_version: int) -> int:
         """Versions between the oldest token's sampler and the weights that train on it."""
@@ -54,4 +59,4 @@ def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory]) 
 
 def read_batch(path: str | Path) -> list[Trajectory]:
     with open(path) as f:
-        return [Trajectory(**json.loads(line)) for line in f if line.strip()]
+        return [Trajectory.from_json(line) for line in f if line.strip()]

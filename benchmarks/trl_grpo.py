@@ -11,7 +11,7 @@ token-mean (DAPO) loss, one optimizer step per generation batch, and the task's 
 Every `snapshot_every` steps the policy is saved with the training clock stopped; OUT_DIR gets
 snapshots/step_N/ and trl.json: [(step, training seconds)], samples, wall seconds.
 
-TRL is a benchmark dependency only: `pip install trl` (benchmarks/requirements.txt).
+TRL is a benchmark dependency only: `pip install -e ".[bench]"` (after scripts/setup.sh).
 """
 from __future__ import annotations
 

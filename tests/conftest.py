@@ -69,6 +69,8 @@ def job_args(tmp_path: Path, model: str, **overrides) -> list[str]:
         "run.root": str(tmp_path / "runs"), "run.name": "job", "run.steps": 6, "model.path": model,
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "task.eval_size": 50,
         "timeouts.startup": 60, "timeouts.train_step": 120, "timeouts.batch": 120,
+        # fixed, so that runs do not each time the roles to plan a split (test_e2e covers the planner)
+        "trainer.threads": 1, "inference.threads": 1,
     }
     base.update(overrides)
     return [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]

@@ -45,3 +45,12 @@ def hang_once_loss(inp, cfg):
         flag.touch()
         time.sleep(3600)
     return ppo_clip(inp, cfg)
+
+
+def by_word(completion: str, entry: dict) -> float:
+    """Hangs on "hang", raises on "raise", scores anything else 1."""
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "raise":
+        raise ValueError("asked to")
+    return 1.0

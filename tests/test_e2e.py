@@ -42,3 +42,27 @@ def test_reward_rises(tiny_model, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_version_final"] == 60
     assert summary["eval_accuracy_final"] > summary["eval_accuracy_start"] + 0.02, summary
+
+
+def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_path):
+    cfg = job_config(tmp_path, tiny_model, **{"run.steps": 4, "trainer.threads": 0, "inference.threads": 0,
+                                              "task.eval_size": 20})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    plan = json.loads((run_dir / "threads.json").read_text())
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["inference"]["threads"], saved["trainer"]["threads"]) == (plan["inference"], plan["trainer"])
+    assert plan["inference"] + plan["trainer"] <= plan["cores"] and set(plan["measured_seconds"]) >= {"1"}
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line][-1]
+    for key in ("time/trainer/forward_backward", "time/trainer/publish", "time/inference/generate",
+                "time/inference/load_weights", "time/orchestrator/cpu", "time/verifiers/score"):
+        assert last[key] >= 0, key
+    assert last["time/trainer/forward_backward"] > 0 and last["time/inference/generate"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 < summary["framework_overhead_fraction"] < 1 and summary["bound_by"] in ("inference", "trainer")
+    assert "Where the time went" in (run_dir / "report.md").read_text()
+    # a second run of the same shape reuses the plan instead of timing again
+    again = job_config(tmp_path, tiny_model, **{"run.steps": 1, "run.name": "again", "trainer.threads": 0,
+                                                "inference.threads": 0, "task.eval_size": 0})
+    messages = []
+    train(again, log=lambda *a, **k: messages.append(" ".join(map(str, a))))
+    assert not any("planning threads" in m for m in messages) and any(m.startswith("threads:") for m in messages)

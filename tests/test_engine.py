@@ -132,6 +132,39 @@ def test_interrupted_update_switches_versions_at_the_boundary():
     assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(before + after), atol=1e-4)
 
 
+def test_keep_policy_goes_on_with_the_old_cache_and_records_the_true_logprobs():
+    """In-flight update without recompute: the token sampled from logits computed before the
+    update keeps version 0; later ones carry version 1 and the logprobs of the new weights
+    attending to the cache the old weights wrote (what was sampled from, exactly)."""
+    from transformers import DynamicCache
+
+    e = engine()
+    old = {k: v.clone() for k, v in e.model.state_dict().items()}
+    new = _perturbed(e.model, 1)
+    seq = Sequence(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0))
+    e.add([seq])
+    for _ in range(3):
+        e.step()
+    e.reload(new, version=1, policy="keep")
+    while e.has_work():
+        e.step()
+    s = seq.sample
+    assert len(s.token_ids) > 5 and e.tokens_discarded == 0
+    assert s.versions == [0, 0, 0, 0] + [1] * (len(s.token_ids) - 4)
+    e.model.load_state_dict(old)
+    assert torch.allclose(torch.tensor(s.logprobs[:4]), torch.tensor(full_logprobs(e.model, PROMPTS[0], s.token_ids)[:4]),
+                          atol=1e-4)
+    with torch.no_grad():
+        cache = e.model(torch.tensor([PROMPTS[0] + s.token_ids[:3]]), **{e.cache_arg: DynamicCache()},
+                        use_cache=True)[e.cache_arg]
+        e.model.load_state_dict(new)
+        logits = e.model(torch.tensor([s.token_ids[3:-1]]), **{e.cache_arg: cache}).logits[0]
+    mixed = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids[4:])[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(s.logprobs[4:]), mixed, atol=1e-4)
+    fresh = full_logprobs(e.model, PROMPTS[0], s.token_ids)[4:]
+    assert not torch.allclose(torch.tensor(s.logprobs[4:]), torch.tensor(fresh), atol=1e-4)
+
+
 def test_abort_policy_regenerates_under_the_new_version():
     e = engine()
     seq = Sequence(PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0))

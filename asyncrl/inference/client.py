@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import aiohttp
+import orjson
 
 
 class InferenceError(RuntimeError):
@@ -38,7 +39,7 @@ class InferenceClient:
             async with self._session.request(
                 method, url, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
             ) as resp:
-                body = await resp.json(content_type=None)
+                body = await resp.json(content_type=None, loads=orjson.loads)
                 if resp.status != 200:
                     message = (body or {}).get("error", {}).get("message", body)
                     raise InferenceError(f"inference server {self.url} refused {what} ({resp.status}): {message}")

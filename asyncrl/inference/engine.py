@@ -101,6 +101,7 @@ class Engine:
         self.logits = torch.zeros(0)
         self.temps = torch.zeros(0)
         self.top_ps = torch.zeros(0)
+        self.logit_versions: list[int] = []  # the weights each row's next-token logits came from
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -131,14 +132,14 @@ class Engine:
             return
         tokens, logprobs = sample_rows(self.logits, self.temps, self.top_ps, self.generator)
         live = sampled = 0
-        for row, (seq, tok, lp) in enumerate(zip(self.rows, tokens.tolist(), logprobs.tolist())):
+        for row, (seq, tok, lp, v) in enumerate(zip(self.rows, tokens.tolist(), logprobs.tolist(), self.logit_versions)):
             if seq is None:
                 continue
             sampled += 1
             s = seq.sample
             s.token_ids.append(tok)
             s.logprobs.append(lp)
-            s.versions.append(self.version)
+            s.versions.append(v)
             if tok == self.eos_id or tok in seq.params.stop_token_ids:
                 self._finish(seq, "stop")
             elif len(s.token_ids) >= seq.params.max_tokens:
@@ -156,6 +157,7 @@ class Engine:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
         self._forward(tokens[:, None], self.positions[:, None])
         self.positions = self.positions + 1
+        self.logit_versions = [self.version] * len(self.rows)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.sample.finish_reason = reason
@@ -182,6 +184,7 @@ class Engine:
         self.cache = kv.build(layers, self.model.config)
         self.positions, self.logits = self.positions[rows], self.logits[rows]
         self.temps, self.top_ps = self.temps[rows], self.top_ps[rows]
+        self.logit_versions = [self.logit_versions[i] for i in rows.tolist()]
 
     # --- admission and prefill ---------------------------------------------------------------
     def _admit(self) -> None:
@@ -233,6 +236,7 @@ class Engine:
         self.cache = kv.build(layers, self.model.config)
         self.mask, self.logits, self.positions = mask, logits, positions
         self.temps, self.top_ps = temps, top_ps
+        self.logit_versions = self.logit_versions + [self.version] * len(seqs)
 
     # --- weights and admin -------------------------------------------------------------------
     @torch.inference_mode()

@@ -49,6 +49,7 @@ class Orchestrator:
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
         self.eval_tasks = self._eval_tasks(cfg)
+        self.eval_items: tuple[list[dict], list[list[int]]] | None = None
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
@@ -342,8 +343,8 @@ class Orchestrator:
         return body
 
     async def _wait_for_version(self, version: int) -> dict:
-        start = time.monotonic()
-        while (marker := weights.read_marker(self.run_dir, version)) is None:
+        start, path = time.monotonic(), weights.marker_file(self.run_dir, version)
+        while not path.exists():  # (a stat every 5 ms; reading the marker each time cost 5% of this process)
             if self.failure:
                 raise self.failure
             if time.monotonic() - start > self.cfg.timeouts.train_step:
@@ -352,7 +353,7 @@ class Orchestrator:
                     f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)"
                 )
             await asyncio.sleep(0.005)
-        return marker
+        return weights.read_marker(self.run_dir, version)
 
     async def _step_record(self, version: int, marker: dict) -> dict:
         now = time.monotonic()
@@ -384,19 +385,25 @@ class Orchestrator:
                 "time/orchestrator/uptime": time.monotonic() - self.up_since,
                 "time/verifiers/score": self.verifiers.cpu_seconds}
 
+    def _eval_set(self) -> tuple[list[dict], list[list[int]]]:
+        """The held-out items and their prompt ids, built once (every evaluation uses the same)."""
+        if self.eval_items is None:
+            entries, prompts = [], []
+            for i in range(self.cfg.task.eval_size):
+                try:
+                    entry, prompt = self._prompt(i, self.eval_tasks)
+                    prompts.append(prompt)
+                    entries.append(entry)
+                except BadTaskRow:  # a bad held-out row is left out of the denominator
+                    continue
+            self.eval_items = entries, prompts
+        return self.eval_items
+
     async def evaluate(self) -> None:
         """Greedy accuracy on the fixed held-out set, under whatever version the server holds."""
         if self.eval_tasks is None:
             return
-        n = self.cfg.task.eval_size
-        entries, prompts = [], []
-        for i in range(n):
-            try:
-                entry, prompt = self._prompt(i, self.eval_tasks)
-                prompts.append(prompt)
-                entries.append(entry)
-            except BadTaskRow:  # a bad held-out row is left out of the denominator
-                continue
+        entries, prompts = self._eval_set()
         agentic = [bool(self.agents and self.agents.agent_for(e)) for e in entries]
         parts = [(scorer, [i for i, a in enumerate(agentic) if a == wanted])
                  for scorer, wanted in ((self._evaluate_completions, False), (self._evaluate_agents, True))]
@@ -440,6 +447,7 @@ class Orchestrator:
             await asyncio.sleep(0.5)
 
     async def run(self) -> None:
+        warm = asyncio.create_task(self.verifiers.warm())  # while the first rollouts generate
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
         beat = asyncio.create_task(self._beat())
         proxy = None
@@ -453,9 +461,9 @@ class Orchestrator:
                 task.result()  # re-raise the first failure
             await follow
         finally:
-            for task in [beat, *loops, *self.in_flight]:
+            for task in [warm, beat, *loops, *self.in_flight]:
                 task.cancel()
-            await asyncio.gather(beat, *loops, *self.in_flight, return_exceptions=True)
+            await asyncio.gather(warm, beat, *loops, *self.in_flight, return_exceptions=True)
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()

@@ -21,8 +21,8 @@ class VerifierError(RuntimeError):
 
 
 def _serve(task_cfg: TaskConfig, conn) -> None:
-    """A worker: a list of (completion, entry) in; for each, as soon as it is scored,
-    (True, reward, seconds) or (False, error message, seconds) out."""
+    """A worker: a list of (completion, entry) in; a list of (True, reward, seconds) or
+    (False, error message, seconds) out, one per item."""
     from asyncrl.rewards.tasks import load_tasks
 
     tasks = load_tasks(task_cfg)
@@ -32,13 +32,14 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
             items = conn.recv()
         except EOFError:  # the orchestrator is gone
             return
+        results = []
         for completion, entry in items:
             start = time.process_time()
             try:
-                reward = tasks.score(completion, entry)
-                conn.send((True, reward, time.process_time() - start))
+                results.append((True, tasks.score(completion, entry), time.process_time() - start))
             except Exception as e:  # a user's verifier may raise anything
-                conn.send((False, f"verifier raised {type(e).__name__}: {e}", time.process_time() - start))
+                results.append((False, f"verifier raised {type(e).__name__}: {e}", time.process_time() - start))
+        conn.send(results)
 
 
 class _Worker:
@@ -71,6 +72,24 @@ class VerifierPool:
         for _ in range(workers):
             self.idle.put_nowait(None)
 
+    async def warm(self) -> None:
+        """Start every worker now, so the first rollouts' scores do not wait for the fork server to
+        import the task code (seconds, on the first batch's path). A failure here is left for the
+        first score to meet and report."""
+        slots: list[_Worker | None] = []
+        try:
+            for _ in range(self.workers):
+                slots.append(await self.idle.get())
+            for i, worker in enumerate(slots):
+                slots[i] = worker or await asyncio.to_thread(_Worker, self.ctx, self.task_cfg)
+                if not slots[i].ready:
+                    await self._started(slots[i])
+        except (VerifierError, OSError):
+            pass
+        finally:
+            for worker in slots:
+                self.idle.put_nowait(worker)
+
     async def score(self, completion: str, entry: dict, timeout: float) -> float:
         """The reward; VerifierError if the verifier raised, hung past `timeout` or died."""
         result = (await self.score_many([(completion, entry)], timeout))[0]
@@ -80,47 +99,44 @@ class VerifierPool:
 
     async def score_many(self, items: list[tuple[str, dict]], timeout: float) -> list:
         """The reward of each (completion, entry), or the VerifierError that stands for it. The items
-        go to the workers in one chunk per worker (a round trip per chunk, not per item: the
-        per-item round trips were a tenth of the orchestrator's CPU); each answer has its own deadline."""
+        go to the workers in one chunk per worker: one round trip per chunk, not per item (the
+        per-item round trips were a tenth of the orchestrator's CPU)."""
         size = max(1, -(-len(items) // self.workers))
         chunks = [items[i: i + size] for i in range(0, len(items), size)]
         return [r for part in await asyncio.gather(*(self._score_chunk(c, timeout) for c in chunks)) for r in part]
 
     async def _score_chunk(self, items: list[tuple[str, dict]], timeout: float) -> list:
-        """Results in order; a verifier that hangs or dies fails its item, and the items after it go
-        to a fresh worker."""
-        results: list = []
-        while len(results) < len(items):
-            results += await self._score_run(items[len(results):], timeout)
-        return results
+        """Results in order. A chunk not answered within `timeout` is scored again one item at a
+        time, each under its own deadline, so only an item that hangs (or kills its worker) fails."""
+        results = await self._score_run(items, timeout)
+        if isinstance(results, VerifierError) and len(items) > 1:
+            return [r for item in items for r in await self._score_chunk([item], timeout)]
+        return [results] if isinstance(results, VerifierError) else results
 
-    async def _score_run(self, items: list[tuple[str, dict]], timeout: float) -> list:
-        """Results of a prefix of `items` (all, unless a verifier hung or died: then up to that one)."""
+    async def _score_run(self, items: list[tuple[str, dict]], timeout: float):
+        """Each item's reward or VerifierError; or one VerifierError if the worker hung or died."""
         worker = await self.idle.get()
-        results: list = []
         try:
             if worker is None:
                 worker = await asyncio.to_thread(_Worker, self.ctx, self.task_cfg)
             if not worker.ready:
                 await self._started(worker)
             worker.conn.send(items)
-            for _ in items:
-                ok, value, seconds = await asyncio.wait_for(self._receive(worker), timeout)
-                self.cpu_seconds += seconds
-                results.append(value if ok else VerifierError(value))
+            answers = await asyncio.wait_for(self._receive(worker), timeout)
         except asyncio.TimeoutError:
             worker = self._discard(worker)
-            results.append(VerifierError(f"verifier took over {timeout:.0f}s (timeouts.verifier); its process was killed"))
+            return VerifierError(f"verifier took over {timeout:.0f}s (timeouts.verifier); its process was killed")
         except asyncio.CancelledError:  # its answers would reach the next caller: start clean
             worker = self._discard(worker)
             raise
         except (EOFError, OSError) as e:
             code = worker.process.exitcode if worker else None
             worker = self._discard(worker)
-            results.append(VerifierError(f"verifier process died (exit code {code}): {type(e).__name__}"))
+            return VerifierError(f"verifier process died (exit code {code}): {type(e).__name__}")
         finally:
             self.idle.put_nowait(worker)
-        return results
+        self.cpu_seconds += sum(seconds for _, _, seconds in answers)
+        return [value if ok else VerifierError(value) for ok, value, _ in answers]
 
     async def _started(self, worker: _Worker) -> None:
         try:
@@ -132,8 +148,6 @@ class VerifierPool:
         worker.ready = True
 
     async def _receive(self, worker: _Worker):
-        if worker.conn.poll():  # already there (a chunk's answers arrive back to back)
-            return worker.conn.recv()
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         fd = worker.conn.fileno()
