@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from asyncrl.config import read_run_config
 from asyncrl.profile import COMPUTE, WAITING
 
 
@@ -158,6 +159,9 @@ def write_report(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     steps, evals = read_metrics(run_dir)
     summary = summarize(steps, evals)
+    if (run_dir / "config.json").exists():  # the threads each role ran with (planned or set)
+        cfg = read_run_config(run_dir)
+        summary["threads"] = f"inference {cfg.role_threads('inference')} / trainer {cfg.role_threads('trainer')}"
     if steps:
         plot(steps, evals, run_dir / "report.png", f"asyncrl run {run_dir.name}")
     roles = profile(steps[-1]) if steps else {}
