@@ -5,8 +5,7 @@ and task at every thread count n. More is not always faster: the tiny model deco
 on two threads than on one (a decode step is many small ops, and a thread pool synchronises on
 each), while it trains 1.7x faster.
 
-- Alternating roles (max_staleness 0) each take their fastest count, generation at most
-  cores - 1 (the orchestrator works beside it): a step is min G + min T.
+- Alternating roles (max_staleness 0) each take their fastest count: a step is min G + min T.
 - Overlapping roles split the cores, g + t = cores, and a step is max(G(g), T(t)): the slower
   role bounds it. Both using every core is not a candidate: pools that preempt each other spin,
   and measured here the tiny run went 1.3x slower with the trainer on two threads beside
@@ -95,11 +94,7 @@ def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dic
     Alternating roles (`overlap` False, max_staleness 0) each take the count that is fastest for
     them, which need not be all cores: tiny decode steps run slower on two threads than on one.
     Overlapping roles split the cores and the slower of the two bounds a step."""
-    # generation shares the machine with the orchestrator and verifiers, which work while it runs:
-    # a pool on every core is preempted by them (measured in runs: 0.17 s a step on two threads
-    # against 0.10 on one, though alone two were faster), so it gets at most cores - 1
-    fastest = {"generate": min((n for n in rates if n < cores or cores == 1), key=lambda n: rates[n]["generate"]),
-               "train": min(rates, key=lambda n: rates[n]["train"])}
+    fastest = {phase: min(rates, key=lambda n: rates[n][phase]) for phase in ("generate", "train")}
     predicted = {f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)}
     predicted[ALTERNATE] = rates[fastest["generate"]]["generate"] + rates[fastest["train"]]["train"]
     if overlap and cores > 1:
