@@ -110,9 +110,8 @@ def _perturbed(model, seed):
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
 
-def test_interrupted_update_switches_versions_at_the_boundary():
-    """Partial rollout: tokens before the update carry version 0 and its logprobs, tokens after
-    carry version 1 and exactly version 1's logprobs given the whole prefix."""
+def _update_after_three_tokens(policy: str):
+    """(engine, old weights, new weights, sample) of one sequence given version 1 after 3 tokens."""
     e = engine()
     old = {k: v.clone() for k, v in e.model.state_dict().items()}
     new = _perturbed(e.model, 1)
@@ -120,10 +119,16 @@ def test_interrupted_update_switches_versions_at_the_boundary():
     e.add([seq])
     for _ in range(3):
         e.step()
-    e.reload(new, version=1, policy="interrupt")
+    e.reload(new, version=1, policy=policy)
     while e.has_work():
         e.step()
-    s = seq.sample
+    return e, old, new, seq.sample
+
+
+def test_interrupted_update_switches_versions_at_the_boundary():
+    """Partial rollout: tokens before the update carry version 0 and its logprobs, tokens after
+    carry version 1 and exactly version 1's logprobs given the whole prefix."""
+    e, old, new, s = _update_after_three_tokens("interrupt")
     assert s.versions == [0, 0, 0] + [1] * (len(s.token_ids) - 3)
     e.model.load_state_dict(old)
     before = full_logprobs(e.model, PROMPTS[0], s.token_ids)[:3]
@@ -138,17 +143,7 @@ def test_keep_policy_goes_on_with_the_old_cache_and_records_the_true_logprobs():
     attending to the cache the old weights wrote (what was sampled from, exactly)."""
     from transformers import DynamicCache
 
-    e = engine()
-    old = {k: v.clone() for k, v in e.model.state_dict().items()}
-    new = _perturbed(e.model, 1)
-    seq = Sequence(PROMPTS[0], SamplingParams(max_tokens=8, temperature=1.0))
-    e.add([seq])
-    for _ in range(3):
-        e.step()
-    e.reload(new, version=1, policy="keep")
-    while e.has_work():
-        e.step()
-    s = seq.sample
+    e, old, new, s = _update_after_three_tokens("keep")
     assert len(s.token_ids) > 5 and e.tokens_discarded == 0
     assert s.versions == [0, 0, 0, 0] + [1] * (len(s.token_ids) - 4)
     e.model.load_state_dict(old)
