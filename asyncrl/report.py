@@ -103,7 +103,7 @@ def plot_profile(ax, roles: dict[str, dict[str, float]]) -> None:
         hatch = "//" if phase in WAITING or phase in ("off_cpu", "idle") else None
         ax.barh(names, widths, left=lefts, color=cmap(i % 20), hatch=hatch, label=phase, edgecolor="white")
     ax.set(xlabel="seconds (orchestrator, verifiers: CPU)", title="where each role's time went")
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the bars, not over them
 
 
 def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
@@ -113,7 +113,7 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     roles = profile(steps[-1])
-    fig, axes = plt.subplots(1, 4 if roles else 3, figsize=(20 if roles else 15, 4))
+    fig, axes = plt.subplots(1, 4 if roles else 3, figsize=(22 if roles else 15, 4))
     t = [r["time"] for r in steps]
     ax = axes[0]
     rewards = [r["reward"] for r in steps]
