@@ -363,27 +363,25 @@ def _plan_key(cfg: Config) -> str:
     t, ro = cfg.task, cfg.rollout  # what the measured step's cost depends on
     shape = [cfg.model.path, stamp, t.name, t.path, t.params, t.prompt_format, [m.model_dump(mode="json") for m in t.mix],
              ro.prompts_per_step, ro.group_size, ro.max_tokens, ro.temperature, cfg.objective.name, cfg.objective.prox,
-             cfg.rollout.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
+             ro.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _plan_cache(cfg: Config) -> Path:
-    return Path(cfg.run.root) / ".thread_plans.json"
+def _plans(cfg: Config) -> tuple[Path, dict]:
+    """(the plan cache under run.root, the plans in it by key); an unreadable cache is empty."""
+    path = Path(cfg.run.root) / ".thread_plans.json"
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path, {}
 
 
 def _cached_plan(cfg: Config) -> dict | None:
-    try:
-        return json.loads(_plan_cache(cfg).read_text()).get(_plan_key(cfg))
-    except (OSError, ValueError):
-        return None
+    return _plans(cfg)[1].get(_plan_key(cfg))
 
 
 def _cache_plan(cfg: Config, plan: dict) -> None:
-    path = _plan_cache(cfg)
-    try:
-        plans = json.loads(path.read_text())
-    except (OSError, ValueError):
-        plans = {}
+    path, plans = _plans(cfg)
     plans[_plan_key(cfg)] = plan
     path.write_text(json.dumps(plans, indent=1))
 

@@ -29,9 +29,6 @@ class Phases:
         finally:
             self.seconds[name] += time.monotonic() - start
 
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] += seconds
-
     def totals(self, prefix: str) -> dict[str, float]:
         """{"<prefix>/<phase>": seconds} for a metrics record."""
         return {f"{prefix}/{name}": round(value, 4) for name, value in self.seconds.items()}

@@ -25,8 +25,6 @@ import sys
 import time
 
 ALTERNATE = "alternate"  # what max_staleness 0 does: the phases one after the other
-
-
 REPEATS = 2  # each timing is the best of this many (one slow outlier would decide the split)
 
 
@@ -95,17 +93,16 @@ def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dic
     them, which need not be all cores: tiny decode steps run slower on two threads than on one.
     Overlapping roles split the cores and the slower of the two bounds a step."""
     fastest = {phase: min(rates, key=lambda n: rates[n][phase]) for phase in ("generate", "train")}
-    predicted = {f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)}
-    predicted[ALTERNATE] = rates[fastest["generate"]]["generate"] + rates[fastest["train"]]["train"]
-    if overlap and cores > 1:
-        best = min((k for k in predicted if k != ALTERNATE), key=predicted.get)
+    splits = {f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)}
+    alternate = rates[fastest["generate"]]["generate"] + rates[fastest["train"]]["train"]
+    if overlap and splits:
+        best = min(splits, key=splits.get)
         inference, trainer = map(int, best.split("/"))
     else:
         best, inference, trainer = ALTERNATE, fastest["generate"], fastest["train"]
     return {"inference": inference, "trainer": trainer, "plan": best, "cores": cores,
-            "overlap_pays": min(v for k, v in predicted.items() if k != ALTERNATE) < predicted[ALTERNATE]
-            if cores > 1 else False,
-            "predicted_step_seconds": {k: round(v, 4) for k, v in predicted.items()},
+            "overlap_pays": bool(splits) and min(splits.values()) < alternate,
+            "predicted_step_seconds": {k: round(v, 4) for k, v in {**splits, ALTERNATE: alternate}.items()},
             "measured_seconds": {n: {k: round(v, 4) for k, v in r.items()} for n, r in rates.items()}}
 
 

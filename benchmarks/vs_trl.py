@@ -23,6 +23,7 @@ Writes benchmarks/results/vs_trl.{json,png,md}.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -75,8 +76,12 @@ def run_trl(cfg, out: Path, every: int) -> dict:
     began = time.monotonic()
     env = {**os.environ, "SNAPSHOT_EVERY": str(every), "TQDM_DISABLE": "1"}
     with open(out / "trl.log", "w") as log:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), str(out), str(out / "asyncrl_config.json")],
-                       check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3 * 3600)
+        code = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), str(out),
+                               str(out / "asyncrl_config.json")], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=3 * 3600).returncode
+    if code != 0:
+        tail = "\n  ".join((out / "trl.log").read_text().splitlines()[-8:])
+        sys.exit(f"vs_trl: the TRL run exited with code {code}; the end of {out / 'trl.log'}:\n  {tail}")
     result = json.loads((out / "trl.json").read_text())
     snaps = {step: str(out / "snapshots" / f"step_{step:06d}") for step, _ in result["points"]}
     return {"points": [(t, step, snaps[step]) for step, t in result["points"]], "train_seconds": result["train_seconds"],
@@ -94,15 +99,11 @@ def run_asyncrl(cfg) -> dict:
     steps, _ = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     times = {r["version"]: r["time"] for r in steps}
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    points = [(round(times[int(p.name[5:])], 3), int(p.name[5:]), str(p)) for p in ckpts]
-    from asyncrl.config import read_run_config
-
-    saved = read_run_config(run_dir)
+    versions = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    points = [(round(times[v], 3), v, str(run_dir / "checkpoints" / f"step_{v:06d}")) for v in versions]
     return {"points": points, "train_seconds": summary["train_seconds"], "wall_seconds": round(wall, 1),
             "samples_per_s": summary["samples_per_s"], "staleness_mean": summary["staleness_mean"],
-            "threads": f"inference {saved.role_threads('inference')} / trainer {saved.role_threads('trainer')}",
-            "overhead": summary.get("framework_overhead_fraction")}
+            "threads": summary["threads"], "overhead": summary.get("framework_overhead_fraction")}
 
 
 def score_snapshots(cfg, points: list, eval_size: int) -> list[tuple[float, int, float]]:
@@ -213,6 +214,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None)
     parser.add_argument("--name", default="vs_trl")
     args, extra = parser.parse_known_args()
+    if not args.no_trl and importlib.util.find_spec("trl") is None:
+        sys.exit('vs_trl: TRL is not installed; pip install -e ".[bench]" (or pass --no-trl to run asyncrl only)')
     results = {}
     for name in args.workloads:
         ensure_model(name)

@@ -194,16 +194,17 @@ class Engine:
         # waiting admits them together. An idle engine admits at once.
         if not self.waiting:
             return
-        if self.running and len(self.waiting) < len(self.running) // 4 and self.held < ADMIT_WITHIN_STEPS:
+        running = len(self.running)  # (a list built from the rows: counted once, not per waiting sequence)
+        if running and len(self.waiting) < running // 4 and self.held < ADMIT_WITHIN_STEPS:
             self.held += 1
             return
         self.held = 0
         batch: list[Sequence] = []
         width = self.mask.shape[1]
-        while self.waiting and len(self.running) + len(batch) < self.max_sequences:
+        while self.waiting and running + len(batch) < self.max_sequences:
             seq = self.waiting[0]
             width = max(width, len(seq.prompt) + seq.params.max_tokens)
-            if (len(self.running) + len(batch) + 1) * width > self.max_tokens and (self.running or batch):
+            if (running + len(batch) + 1) * width > self.max_tokens and (running or batch):
                 break  # back-pressure: the cache would outgrow its token budget
             batch.append(self.waiting.popleft())
         if batch:

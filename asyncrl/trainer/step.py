@@ -88,8 +88,7 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
         entropy_parts.append(torch.nn.functional.pad(-(source.exp() * source).sum(-1), pad))
         logp_parts.append(torch.nn.functional.pad(logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1), pad))
         rows += group
-    back = torch.empty(len(rows), dtype=torch.long, device=batch["tokens"].device)
-    back[torch.tensor(rows, device=back.device)] = torch.arange(len(rows), device=back.device)
+    back = torch.tensor(rows, device=batch["tokens"].device).argsort()  # bucket order -> batch order
     return torch.cat(logp_parts)[back], torch.cat(entropy_parts)[back]
 
 
