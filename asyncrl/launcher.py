@@ -396,8 +396,8 @@ def train(cfg: Config, log=print) -> Path:
         log(f"threads: inference {plan['inference']}, trainer {plan['trainer']} (predicted seconds per step: "
             f"{plan['predicted_step_seconds']})")
         if cfg.rollout.max_staleness > 0 and not plan["overlap_pays"]:
-            log("threads: on this machine the roles alternating (max_staleness 0, every core per phase) is predicted "
-                "to be faster than overlapping them; asynchrony pays here only through stragglers")
+            log("threads: on this machine the roles alternating (max_staleness 0, each phase on its fastest thread "
+                "count) is predicted to be faster than overlapping them; asynchrony pays here only through stragglers")
     log(f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
         f"max_staleness {cfg.rollout.max_staleness}, objective {cfg.objective.name}, "
         f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}")
