@@ -1,8 +1,9 @@
 """Fault injection for a live run: SIGKILL its roles at chosen moments (tests and benchmarks/recovery.py).
 
-A plan is a list of (role, step): once the run has recorded `step` steps, wait a random fraction
-of a second (so the kill lands mid-generation, mid-training or mid-write, not on a boundary) and
-SIGKILL that role's current process, read from the run's pids.json.
+A plan is a list of (role, step): once the run has recorded `step` steps, wait a random part of
+one step's time (so the kill lands mid-generation, mid-training or mid-write, not on a boundary,
+and before the run has moved on by more than a step) and SIGKILL that role's current process,
+read from the run's pids.json.
 """
 from __future__ import annotations
 
@@ -15,11 +16,20 @@ import time
 from pathlib import Path
 
 
-def steps_recorded(run_dir: Path) -> int:
+def _step_times(run_dir: Path) -> list[float]:
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.startswith('{"step"'))
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["time"] for line in lines if line.startswith('{"step"')]
+
+
+def steps_recorded(run_dir: Path) -> int:
+    return len(_step_times(run_dir))
+
+
+def last_step_seconds(run_dir: Path, default: float = 0.5) -> float:
+    """How long the run's latest step took (`default` before it has two)."""
+    times = _step_times(run_dir)
+    return times[-1] - times[-2] if len(times) >= 2 else default
 
 
 def pid_of(run_dir: Path, role: str) -> int | None:
@@ -47,7 +57,7 @@ class Chaos(threading.Thread):
                 time.sleep(0.02)
             if self.kills:
                 time.sleep(max(0.0, self.kills[-1]["time"] + self.min_gap - time.time()))
-            time.sleep(self.rng.uniform(0.0, 0.5))
+            time.sleep(self.rng.uniform(0.0, last_step_seconds(self.run_dir)))
             killed = {k["pid"] for k in self.kills}
             while (pid := pid_of(self.run_dir, role)) is None or pid in killed:  # not restarted yet
                 if time.monotonic() - start > self.deadline:

@@ -5,10 +5,10 @@ Imports no torch, so the CLI can reject a bad config before any role starts.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -34,25 +34,45 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = "models/tiny-chain-sum"
+    path: str = "models/tiny-default"
     # When `path` is the default tiny model and it is missing, build it first (asyncrl warmstart).
     warmstart_if_missing: bool = True
 
 
 class WarmstartConfig(Section):
-    steps: int = Field(500, ge=1)
-    max_seconds: float = Field(300.0, gt=0, description="stop early on a slow machine")
+    """The supervised warm start that builds the tiny default policy (asyncrl/warmstart.py)."""
+
+    steps: int = Field(1500, ge=1)
+    max_seconds: float = Field(900.0, gt=0, description="stop early on a slow machine")
     batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, description="peak (asyncrl/warmstart.py has the schedule)")
+    warmup_steps: int = Field(50, ge=1)
+    # bpe: byte-level BPE trained on the task's text, ChatML template (Qwen's); char: one token per
+    # character with the compact "tiny" template
+    tokenizer: Literal["bpe", "char"] = "bpe"
+    vocab_size: int = Field(512, ge=300, description="bpe: at most this many tokens (256 bytes + merges + specials)")
+    architecture: Literal["qwen3", "llama"] = "qwen3"
     hidden_size: int = Field(128, ge=8)
     layers: int = Field(4, ge=1)
     heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1, description="grouped-query attention: key/value heads (divides heads)")
     threads: int = Field(2, ge=1)
     seed: int = 0
-    # "module:function" (or "file.py:function") taking a random.Random and returning one
-    # demonstration conversation {"messages": [...], "tools": [...]}: supervised data for agent
-    # tasks (the policy learns on its replies only). None: the task's prompt -> answer pairs.
+    # "module:function" taking a random.Random and returning one demonstration conversation
+    # {"messages": [...], "tools": [...]}: supervised data for agent tasks (the policy learns on
+    # its replies only). None: the task's prompt -> answer pairs.
     demos: str | None = None
+    # "module:function" (entry, rng, **teacher_params) -> the answer a prompt -> answer demonstration
+    # shows (asyncrl/rewards/teachers.py); None: the task's own answer
+    teacher: str | None = "asyncrl.rewards.teachers:drops_overflow"
+    teacher_params: dict[str, Any] = {"slip": 0.7}
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "WarmstartConfig":
+        if self.heads % self.kv_heads or self.hidden_size % self.heads:
+            raise ValueError(f"warmstart.heads = {self.heads} must be a multiple of warmstart.kv_heads = "
+                             f"{self.kv_heads} and divide warmstart.hidden_size = {self.hidden_size}")
+        return self
 
 
 class TaskMix(Section):
@@ -67,6 +87,7 @@ class TaskMix(Section):
     prompt_format: Literal["compact", "question"] = "compact"
     verifier: str | None = None
     agent: str | None = Field(None, description="this task's agent (default: agent.path; none: one completion)")
+    holdout: float | None = Field(None, ge=0, lt=1, description="this task's held-out share (default: task.holdout)")
 
     @property
     def tag(self) -> str:
@@ -76,19 +97,26 @@ class TaskMix(Section):
 class TaskConfig(Section):
     # a reasoning-gym dataset name; "jsonl": rows {"prompt": str, "answer": str} from `path`; or
     # "module:function" / "file.py:function": a generator (index, seed) -> {"question", "answer", "metadata"}
-    name: str = "chain_sum"
+    name: str = "basic_arithmetic"
     path: str | None = None
     eval_path: str | None = Field(None, description='held-out rows for name = "jsonl" (none: no evaluation)')
-    params: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    params: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "operators": ["+"],
+                              "allow_parentheses": False, "allow_negation": False}
     # compact: "84-12=" from the task's expression; question: the dataset's full question text.
     prompt_format: Literal["compact", "question"] = "compact"
-    # "module:function" taking (completion: str, entry: dict) -> float; default: the dataset's own.
-    verifier: str | None = None
+    # "module:function" taking (completion: str, entry: dict) -> float; None: the dataset's own.
+    verifier: str | None = "asyncrl.rewards.verifiers:last_number"
     verifier_workers: int = Field(2, ge=1, description="processes that run the verifier (a hung one is killed)")
+    # prompts go to the policy as a user turn of its chat template (false: plain text, e.g. a base
+    # model without one)
+    chat: bool = True
     seed: int = 1
-    eval_size: int = Field(200, ge=0)
+    # share of a generated task's distinct prompts held out for evaluation, by a hash of the prompt
+    # text: training and warm start never draw them (0: no split; eval_seed alone then separates them)
+    holdout: float = Field(0.1, ge=0, lt=1)
+    eval_size: int = Field(500, ge=0, description="distinct held-out items")
     eval_seed: int = 10_000
-    eval_every: int = Field(20, ge=1)
+    eval_every: int = Field(10, ge=1)
     # several tasks in one run: each prompt is drawn from one of them by weight; the fields above
     # except seeds and eval sizes are then per task
     mix: list[TaskMix] = []
@@ -173,9 +201,12 @@ class ObjectiveConfig(Section):
 
 
 class TrainerConfig(Section):
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)
     # Linear warm-up: Adam's first steps move every weight by ~lr whatever the gradient's size.
     warmup_steps: int = Field(10, ge=0)
+    # after the warm-up: constant, or a cosine down to lr × min_lr_ratio at run.steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)
@@ -405,7 +436,9 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
     for key in sorted(a.keys() | b.keys()):
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
-            (harmless if key.startswith(RESUMABLE_KEYS) else meaning).append(line)
+            # a cosine schedule ends at run.steps: more steps change the lr of the steps to come
+            free = key.startswith(RESUMABLE_KEYS) and not (key == "run.steps" and new.trainer.lr_schedule == "cosine")
+            (harmless if free else meaning).append(line)
     return meaning, harmless
 
 

@@ -1,38 +1,34 @@
-"""The local launcher: start the three roles as processes, supervise them, show progress, report.
-
-Each role is `python -m <module> RUN_DIR` with its own thread count and log file. A role that
-dies or hangs is restarted and picks up from the run directory (the trainer from its last
-checkpoint, the orchestrator from the ledger); one that keeps dying stops the run with its last
-log lines. `resume` continues a stopped run from the same directory.
+"""`asyncrl train` and `--resume`: check the inputs, plan threads, prepare the run directory, run
+the roles under the supervisor (asyncrl/supervisor.py) with a progress line, write the report.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from asyncrl import heartbeat
-from asyncrl.config import (Config, ConfigError, config_changes, load_config, merge_config, parse_overrides,
-                            read_run_config, save_config)
+from asyncrl.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    config_changes,
+    load_config,
+    merge_config,
+    parse_overrides,
+    read_run_config,
+    save_config,
+)
 from asyncrl.events import EventLog
+from asyncrl.progress import Progress
+from asyncrl.supervisor import RunError, Supervisor
+from asyncrl.threads import plan_threads
 
-ROLES = {
-    "inference": "asyncrl.inference.server",
-    "trainer": "asyncrl.trainer.main",
-    "orchestrator": "asyncrl.orchestrator.main",
-}
-DEFAULT_MODEL = "models/tiny-chain-sum"
+__all__ = ["RunError", "Stopped", "check_inputs", "prepare_run_dir", "resume", "train"]
 
-
-class RunError(RuntimeError):
-    pass
-
+DEFAULT_MODEL = ModelConfig().path
 
 def prepare_run_dir(cfg: Config) -> Path:
     run_dir = cfg.run_dir
@@ -52,15 +48,20 @@ def check_inputs(cfg: Config, log=print) -> None:
     from asyncrl.objectives import get_objective
     from asyncrl.rewards.tasks import load_tasks
 
-    if not Path(cfg.model.path).exists():
-        if (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing:
-            from asyncrl.warmstart import warmstart
+    load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
+    buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
+    if buildable:
+        from asyncrl.warmstart import is_current, warmstart
 
+        if not Path(cfg.model.path).exists():
             log(f"{cfg.model.path} is missing: building the tiny policy first")
             warmstart(cfg, cfg.model.path, log=log)
-        else:
-            _check_hub_model(cfg.model.path)
-    load_tasks(cfg.task)
+        elif not is_current(cfg, cfg.model.path):
+            log(f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): building it again")
+            warmstart(cfg, cfg.model.path, log=log)
+    elif not Path(cfg.model.path).exists():
+        _check_hub_model(cfg.model.path)
+    _check_prompts(cfg, log)
     agents = {path for path in cfg.agent_paths().values() if path}
     if agents:
         from asyncrl.agents.runner import chat_template, load_agent
@@ -69,6 +70,31 @@ def check_inputs(cfg: Config, log=print) -> None:
             load_agent(path)
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
+
+
+def _check_prompts(cfg: Config, log) -> None:
+    """task.chat needs a chat template; a thin held-out set is said before the run, not found after it."""
+    from asyncrl.rewards.tasks import eval_entries, load_tasks
+
+    model = Path(cfg.model.path)
+    if cfg.task.chat and model.is_dir() and not _has_chat_template(model):
+        raise ConfigError(f"task.chat = true but the tokenizer in {model} has no chat template; "
+                          "set task.chat = false to send prompts as plain text")
+    held_out = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
+    found = len(eval_entries(held_out, cfg.task.eval_size)) if held_out else cfg.task.eval_size
+    if found < cfg.task.eval_size:
+        why = (f"task.holdout = {cfg.task.holdout} keeps few of a task with few distinct items apart (task.holdout = 0 "
+               "evaluates on the whole task instead)") if cfg.task.holdout else "the task has no more distinct items"
+        log(f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked (task.eval_size): {why}")
+
+
+def _has_chat_template(model: Path) -> bool:
+    if (model / "chat_template.jinja").exists():
+        return True
+    try:
+        return bool(json.loads((model / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def _check_hub_model(name: str) -> None:
@@ -82,218 +108,6 @@ def _check_hub_model(name: str) -> None:
             f"model.path = {name!r} is not a local directory and cannot be loaded as a hub model "
             f"({type(e).__name__}); run `asyncrl warmstart` for the tiny default or fix the path"
         ) from None
-
-
-def _role_env(threads: int, **extra: str) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
-
-
-def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess.Popen:
-    log = open(run_dir / "logs" / f"{role}.log", "a")  # a restarted role appends: its crash stays readable
-    return subprocess.Popen([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log,
-                            stderr=subprocess.STDOUT, env=_role_env(threads, **env), start_new_session=True)
-
-
-def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subprocess.Popen:
-    """vLLM's OpenAI server on loopback; its URL goes to inference.json at once (the
-    orchestrator waits for /health within timeouts.startup)."""
-    import socket
-
-    port = cfg.inference.port or port
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((cfg.inference.host, 0))
-            port = s.getsockname()[1]
-    cmd = [cfg.inference.vllm_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
-           "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
-           "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               OMP_NUM_THREADS=str(threads))
-    log = open(run_dir / "logs" / "inference.log", "a")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    (run_dir / "inference.json").write_text(json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
-    return proc
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text().splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def stop(procs: dict[str, subprocess.Popen], grace: float = 5.0) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs.values():
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def wait_for_inference(proc: subprocess.Popen, run_dir: Path, deadline: float) -> None:
-    start = time.monotonic()
-    while not (run_dir / "inference.json").exists():
-        if proc.poll() is not None:
-            log = run_dir / "logs" / "inference.log"
-            raise RunError(f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}")
-        if time.monotonic() - start > deadline:
-            raise RunError(f"the inference server did not start within {deadline:.0f}s (timeouts.startup); "
-                           f"see {run_dir / 'logs' / 'inference.log'}")
-        time.sleep(0.05)
-
-
-class Supervisor:
-    """Starts the roles and keeps them alive: a role that exits with an error, or stops beating
-    for timeouts.heartbeat, is restarted (each role resumes from the run directory on its own);
-    past run.max_restarts restarts of one role the run stops with that role's last log lines."""
-
-    def __init__(self, cfg: Config, run_dir: Path, log=print):
-        self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts = {role: 0 for role in ROLES}
-        self.started: dict[str, float] = {}
-        self.events = EventLog(run_dir, "supervisor")
-        self.spare: subprocess.Popen | None = None  # asyncrl/standby.py, see run.warm_spare
-        self.spare_failed = False
-
-    def start(self, role: str) -> None:
-        threads = 1 if role == "orchestrator" else self.cfg.role_threads(role)
-        env = {}
-        if role == "inference":
-            env = {"ASYNCRL_INFERENCE_PORT": str(_previous_port(self.run_dir)),
-                   "ASYNCRL_INCARNATION": str(self.restarts[role])}
-        if role == "inference" and self.cfg.inference.engine == "vllm":
-            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, int(env["ASYNCRL_INFERENCE_PORT"]))
-        elif self.spare is not None and self.spare.poll() is None:
-            order = {"role": role, "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
-            self.spare.stdin.write(json.dumps(order) + "\n")
-            self.spare.stdin.close()
-            self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
-        else:
-            self.procs[role] = start_role(role, self.run_dir, threads, **env)
-        self.started[role] = time.monotonic()
-        pids = {r: p.pid for r, p in self.procs.items()}
-        (self.run_dir / "pids.json.tmp").write_text(json.dumps(pids))
-        os.replace(self.run_dir / "pids.json.tmp", self.run_dir / "pids.json")
-
-    def start_all(self) -> None:
-        (self.run_dir / "inference.json").unlink(missing_ok=True)  # (from an earlier launch) written anew once bound
-        shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
-        self.start("inference")
-        wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
-        self.start("trainer")
-        self.start("orchestrator")
-
-    def _start_spare_when_settled(self) -> None:
-        """A spare importing torch slows every role's start on a small machine: it waits for their first beats."""
-        if self.spare is not None and self.spare.poll() is not None:  # it died on its own: go cold from now on
-            self.log(f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
-                     "restarts will start cold")
-            self.spare, self.spare_failed = None, True
-        beating = [r for r in self.procs if not (r == "inference" and self.cfg.inference.engine == "vllm")]
-        wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
-                                                         and any(self.restarts.values()))
-        if wanted and not self.spare_failed and self.spare is None and all(heartbeat.age(self.run_dir, r) is not None
-                                                                   for r in beating):
-            log = open(self.run_dir / "logs" / "standby.log", "a")
-            self.spare = subprocess.Popen([sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
-                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                          env=_role_env(1), start_new_session=True)
-
-    def finished(self) -> bool:
-        """Check every role once; True when the trainer and the orchestrator have both completed."""
-        self._start_spare_when_settled()
-        for role, proc in self.procs.items():
-            code = proc.poll()
-            if code == 0 and role != "inference":
-                continue
-            if code is not None:
-                self._restart(role, f"exited with code {code}")
-            elif (stuck := self._stuck(role)) is not None:
-                proc.kill()
-                proc.wait()
-                self._restart(role, stuck)
-        return all(self.procs[r].poll() == 0 for r in ("trainer", "orchestrator"))
-
-    def _stuck(self, role: str) -> str | None:
-        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for timeouts.heartbeat."""
-        if role == "inference" and self.cfg.inference.engine == "vllm":
-            return None  # vLLM beats no file of ours; its process and /health are what we have
-        silent = heartbeat.age(self.run_dir, role)
-        if silent is None:
-            waited = time.monotonic() - self.started[role]
-            return f"did not start within {waited:.0f}s (timeouts.startup); killed" if waited > self.cfg.timeouts.startup else None
-        return f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed" if silent > self.cfg.timeouts.heartbeat else None
-
-    def _restart(self, role: str, why: str) -> None:
-        log = self.run_dir / "logs" / f"{role}.log"
-        if self.restarts[role] >= self.cfg.run.max_restarts:
-            self.events.write("role_failed", target=role, why=why, restarts=self.restarts[role])
-            raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
-                           f"last lines of {log}:\n{tail(log)}")
-        self.restarts[role] += 1
-        self.log(f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})")
-        self.events.write("role_restarted", target=role, why=why, restart=self.restarts[role])
-        heartbeat.heartbeat_file(self.run_dir, role).unlink(missing_ok=True)
-        self.start(role)
-
-    def stop(self) -> None:
-        stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
-
-
-def _previous_port(run_dir: Path) -> int:
-    try:
-        return int(json.loads((run_dir / "inference.json").read_text())["url"].rsplit(":", 1)[1])
-    except (FileNotFoundError, ValueError, KeyError, IndexError):
-        return 0
-
-
-class Progress:
-    """Reads new lines of metrics.jsonl and keeps one live line on the console."""
-
-    def __init__(self, run_dir: Path, steps: int, out=sys.stdout):
-        self.path, self.steps, self.out = run_dir / "metrics.jsonl", steps, out
-        # a resumed run's earlier steps were shown by the launch that ran them
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
-        self.step, self.eval = None, None
-        self.tty = out.isatty()
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete)
-        changed = False
-        for line in complete.splitlines():
-            record = json.loads(line)
-            if "eval_accuracy" in record:
-                self.eval = record
-            else:
-                self.step = record
-            changed = True
-        # On a terminal the line is rewritten in place; in a log, one line per ~5% of the run.
-        every = 1 if self.tty else max(1, self.steps // 20)
-        if changed and self.step and (self.step["step"] + 1) % every == 0:
-            self.show()
-
-    def show(self) -> None:
-        s = self.step
-        ev = f" | eval {self.eval['eval_accuracy']:.1%}@v{self.eval['eval_version']}" if self.eval else ""
-        line = (f"step {s['step'] + 1}/{self.steps} | reward {s.get('reward', 0):.3f} | acc {s.get('accuracy', 0):.1%}{ev}"
-                f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
-                f" | gen {s['gen_tokens_per_s']:.0f} tok/s | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
-                f" | {s['time']:.0f}s")
-        print(("\r" + line.ljust(120)) if self.tty else line, end="" if self.tty else "\n", file=self.out, flush=True)
 
 
 class Stopped(RunError):
@@ -319,71 +133,6 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
             print()
     finally:
         supervisor.stop()
-
-
-def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
-    """(cfg with the unset thread counts of the CPU roles chosen from measured rates, the plan).
-
-    Only where there is a choice: a CPU trainer and the built-in engine, on a machine with more than
-    one core (asyncrl/threads.py). The plan is cached per model, task and batch
-    shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
-    if (cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
-            or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
-        return cfg, None
-    plan = _cached_plan(cfg)
-    if plan is None:
-        log("planning threads: timing one step's generation and training at each thread count ...")
-        tmp = Path(cfg.run.root) / f".plan-{os.getpid()}.json"
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, tmp)
-        try:
-            out = subprocess.run([sys.executable, "-m", "asyncrl.threads", str(tmp)], capture_output=True, text=True,
-                                 timeout=cfg.timeouts.startup, env=_role_env(os.cpu_count() or 1))
-            plan = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-        except (subprocess.TimeoutExpired, ValueError, IndexError):
-            out, plan = None, None
-        finally:
-            tmp.unlink(missing_ok=True)
-        if plan is None:
-            why = "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
-            log(f"planning threads failed; using the static split: {why}")
-            return cfg, None
-        _cache_plan(cfg, plan)
-    cfg = cfg.model_copy(deep=True)
-    cfg.inference.threads = cfg.inference.threads or plan["inference"]
-    cfg.trainer.threads = cfg.trainer.threads or plan["trainer"]
-    return cfg, plan
-
-
-def _plan_key(cfg: Config) -> str:
-    import hashlib
-
-    model = Path(cfg.model.path)
-    stamp = max((p.stat().st_mtime for p in model.glob("*.safetensors")), default=0) if model.is_dir() else 0
-    t, ro = cfg.task, cfg.rollout  # what the measured step's cost depends on
-    shape = [cfg.model.path, stamp, t.name, t.path, t.params, t.prompt_format, [m.model_dump(mode="json") for m in t.mix],
-             ro.prompts_per_step, ro.group_size, ro.max_tokens, ro.temperature, cfg.objective.name, cfg.objective.prox,
-             ro.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
-    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _plans(cfg: Config) -> tuple[Path, dict]:
-    """(the plan cache under run.root, the plans in it by key); an unreadable cache is empty."""
-    path = Path(cfg.run.root) / ".thread_plans.json"
-    try:
-        return path, json.loads(path.read_text())
-    except (OSError, ValueError):
-        return path, {}
-
-
-def _cached_plan(cfg: Config) -> dict | None:
-    return _plans(cfg)[1].get(_plan_key(cfg))
-
-
-def _cache_plan(cfg: Config, plan: dict) -> None:
-    path, plans = _plans(cfg)
-    plans[_plan_key(cfg)] = plan
-    path.write_text(json.dumps(plans, indent=1))
 
 
 def train(cfg: Config, log=print) -> Path:

@@ -119,12 +119,17 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     rewards = [r["reward"] for r in steps]
     window = max(1, len(steps) // 20)
     smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
-    ax.plot(t, rewards, label="train reward (per step)", alpha=0.3)
+    ax.plot(t, rewards, label="train reward (per step)", alpha=0.25)
     ax.plot(t, smooth, label=f"train reward ({window}-step mean)")
+    heading = "reward vs time"
     if evals:
-        ax.plot([e["time"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", label="held-out greedy accuracy")
-    ax.set(xlabel="wall time (s)", ylabel="reward / accuracy", title="reward vs time")
-    ax.legend()
+        evals = sorted(evals, key=lambda e: e["eval_version"])
+        ax.plot([e["time"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", lw=2.5, color="black",
+                label="held-out greedy accuracy")
+        heading = f"held-out greedy accuracy {evals[0]['eval_accuracy']:.0%} → {evals[-1]['eval_accuracy']:.0%}"
+    low = min(0.0, min(rewards))  # on one scale from 0, so a rise is seen at a glance, not zoomed into
+    ax.set(xlabel="wall time (s)", ylabel="reward / accuracy", title=heading, ylim=(low, max(1.0, max(rewards)) * 1.02))
+    ax.legend(loc="lower right")
     ax = axes[1]
     x = [r["step"] for r in steps]
     ax.plot(x, [r.get("staleness_mean", 0) for r in steps], label="mean")

@@ -33,7 +33,7 @@ def warm_up(run_dir: Path) -> None:
 
 
 def main(run_dir: str) -> None:
-    from asyncrl.launcher import ROLES
+    from asyncrl.supervisor import ROLES
 
     warm_up(Path(run_dir))
     print("standby: warm", flush=True)

@@ -21,8 +21,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+from asyncrl.config import Config, save_config
+from asyncrl.files import write_atomic
+from asyncrl.supervisor import role_env
 
 ALTERNATE = "alternate"  # what max_staleness 0 does: the phases one after the other
 REPEATS = 2  # each timing is the best of this many (one slow outlier would decide the split)
@@ -38,7 +44,7 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
 
     model, tokenizer = load_policy(cfg.model.path)
     tasks, ro = load_tasks(cfg.task), cfg.rollout
-    prompts = [tokenizer(tasks.prompt(tasks.item(i)))["input_ids"] for i in range(ro.prompts_per_step)]
+    prompts = [tasks.prompt_ids(tasks.item(i), tokenizer) for i in range(ro.prompts_per_step)]
     prompts = [p for p in prompts for _ in range(ro.group_size)]
     params = SamplingParams(ro.max_tokens, ro.temperature, ro.top_p)
     rates = {}
@@ -109,6 +115,72 @@ def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dic
 def plan(cfg) -> dict:
     cores = os.cpu_count() or 1
     return choose(measure(cfg, list(range(1, cores + 1))), cores, overlap=cfg.rollout.max_staleness > 0)
+
+
+# --- the launcher's side: run the planner in a process of its own, cache its plan -----------
+def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
+    """(cfg with the unset thread counts of the CPU roles chosen from measured rates, the plan).
+
+    Only where there is a choice: a CPU trainer and the built-in engine, on a machine with more than
+    one core (asyncrl/threads.py). The plan is cached per model, task and batch
+    shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
+    if (cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
+            or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
+        return cfg, None
+    plan = _cached_plan(cfg)
+    if plan is None:
+        log("planning threads: timing one step's generation and training at each thread count ...")
+        tmp = Path(cfg.run.root) / f".plan-{os.getpid()}.json"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, tmp)
+        try:
+            out = subprocess.run([sys.executable, "-m", "asyncrl.threads", str(tmp)], capture_output=True, text=True,
+                                 timeout=cfg.timeouts.startup, env=role_env(os.cpu_count() or 1))
+            plan = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            out, plan = None, None
+        finally:
+            tmp.unlink(missing_ok=True)
+        if plan is None:
+            why = "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
+            log(f"planning threads failed; using the static split: {why}")
+            return cfg, None
+        _cache_plan(cfg, plan)
+    cfg = cfg.model_copy(deep=True)
+    cfg.inference.threads = cfg.inference.threads or plan["inference"]
+    cfg.trainer.threads = cfg.trainer.threads or plan["trainer"]
+    return cfg, plan
+
+
+def _plan_key(cfg: Config) -> str:
+    import hashlib
+
+    model = Path(cfg.model.path)
+    stamp = max((p.stat().st_mtime for p in model.glob("*.safetensors")), default=0) if model.is_dir() else 0
+    t, ro = cfg.task, cfg.rollout  # what the measured step's cost depends on
+    shape = [cfg.model.path, stamp, t.name, t.path, t.params, t.prompt_format, [m.model_dump(mode="json") for m in t.mix],
+             ro.prompts_per_step, ro.group_size, ro.max_tokens, ro.temperature, cfg.objective.name, cfg.objective.prox,
+             ro.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _plans(cfg: Config) -> tuple[Path, dict]:
+    """(the plan cache under run.root, the plans in it by key); an unreadable cache is empty."""
+    path = Path(cfg.run.root) / ".thread_plans.json"
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path, {}
+
+
+def _cached_plan(cfg: Config) -> dict | None:
+    return _plans(cfg)[1].get(_plan_key(cfg))
+
+
+def _cache_plan(cfg: Config, plan: dict) -> None:
+    path, plans = _plans(cfg)
+    plans[_plan_key(cfg)] = plan
+    write_atomic(path, json.dumps(plans, indent=1))  # (two launches may share run.root)
 
 
 if __name__ == "__main__":

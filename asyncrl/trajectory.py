@@ -1,11 +1,12 @@
 """The unit of data that crosses process boundaries (DESIGN.md, "The unit of data")."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
+from asyncrl.files import atomic_path
 
 
 @dataclass
@@ -48,12 +49,9 @@ def batch_path(run_dir: str | Path, step: int) -> Path:
 def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory]) -> Path:
     """Atomically: the trainer never sees a half-written batch."""
     path = batch_path(run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         for t in trajectories:
             f.write(t.to_json() + "\n")
-    os.replace(tmp, path)
     return path
 
 

@@ -1,7 +1,9 @@
-"""Build the default tiny policy: char tokenizer + ~1M-param Llama, warm-started by supervised training.
+"""Build the tiny default policy: a BPE tokenizer trained on the task's text, a ~1M-parameter Qwen3
+built from its config, and a supervised warm start on demonstrations.
 
-The supervised run is deliberately short (about a minute): the policy should solve some tasks
-greedily but not most, so RL has room to climb.
+The demonstrations come from a teacher (warmstart.teacher) that is sometimes wrong in a
+consistent way, so the policy's greedy answer is often wrong where its samples are often right:
+the room RL has to climb. Held-out prompts are never shown (task.holdout).
 """
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ from asyncrl.agents.chat import Renderer, conversation_segments
 from asyncrl.config import Config
 from asyncrl.imports import import_object
 from asyncrl.inference.engine import Engine, SamplingParams
-from asyncrl.model import build_char_tokenizer, build_tiny_model
-from asyncrl.rewards.tasks import TaskSource, load_tasks
+from asyncrl.model import build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, chatml_corpus
+from asyncrl.rewards.tasks import BadTaskRow, TaskSource, eval_entries, load_tasks
+
+CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
 
 
-def _task_example(tasks: TaskSource, tokenizer, index: int) -> tuple[list[int], list[int]]:
+def _task_example(tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random) -> tuple[list[int], list[int]]:
     """(prompt + answer + eos ids, labels only on the answer and eos)."""
     entry = tasks.item(index)
-    prompt = tokenizer(tasks.prompt(entry))["input_ids"]
-    answer = tokenizer(entry["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompt = tasks.prompt_ids(entry, tokenizer)
+    answer = teacher(entry, rng) if teacher else entry["answer"]
+    answer = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + answer, [-100] * len(prompt) + answer
 
 
@@ -53,15 +58,66 @@ def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
 
 
 def greedy_accuracy(model, tokenizer, tasks: TaskSource, size: int, max_tokens: int = 8) -> float:
-    """Fraction of `size` held-out items answered right by greedy decoding."""
-    if size == 0:
+    """Fraction of `size` held-out items (distinct prompts) solved (reward 1) by greedy decoding."""
+    entries = eval_entries(tasks, size)
+    if not entries:
         return float("nan")
     engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    entries = [tasks.item(i) for i in range(size)]
-    prompts = [tokenizer(tasks.prompt(e))["input_ids"] for e in entries]
+    prompts = [tasks.prompt_ids(e, tokenizer) for e in entries]
     samples = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-    return sum(tasks.score(t, e) for t, e in zip(texts, entries)) / size
+    return sum(tasks.score(t, e) >= 1.0 for t, e in zip(texts, entries)) / len(entries)
+
+
+def build_tokenizer(cfg: Config, tasks: TaskSource, demos):
+    """The warm start's tokenizer: char, or BPE trained on the task's prompts and answers (or the demos)."""
+    if cfg.warmstart.tokenizer == "char":
+        return build_char_tokenizer()
+    rng = random.Random(cfg.warmstart.seed)
+    if demos:
+        texts = [json.dumps(demos(rng)) for _ in range(CORPUS_ITEMS)]
+    else:
+        texts = []
+        for index in range(CORPUS_ITEMS):
+            try:
+                entry = tasks.item(index)
+                texts.append(f"{tasks.prompt(entry)} {entry['answer']}")
+            except BadTaskRow:
+                continue
+    return build_bpe_tokenizer(chatml_corpus(texts), cfg.warmstart.vocab_size)
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, the peak until 70% of the steps, then linearly down to a tenth. A tiny model
+    learns to add only after a plateau whose length depends on the seed (500 to 1200 steps at 1e-3
+    here); an lr that decays from the start (cosine) kept some seeds on it, no warm-up (2e-3) all."""
+    decay_from = 0.7 * steps
+    tail = 1.0 if step < decay_from else 1.0 - 0.9 * (step - decay_from) / max(1.0, steps - decay_from)
+    return min(1.0, (step + 1) / warmup) * tail
+
+
+def recipe(cfg: Config) -> dict:
+    """What a warm-started policy is a function of: the launcher rebuilds the default policy when it changes."""
+    return cfg.model_dump(mode="json", include={
+        "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"},
+        "task": {"name", "params", "prompt_format", "chat", "holdout", "seed"}})
+
+
+def is_current(cfg: Config, model_dir: str | Path) -> bool:
+    """Whether `model_dir` was warm-started by this config's recipe."""
+    try:
+        built = json.loads((Path(model_dir) / "warmstart.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return built.get("recipe") == recipe(cfg)
+
+
+def _teacher(ws):
+    """The demonstrations' answer function (entry, rng) -> str, or None for the task's own answers."""
+    if not ws.teacher or ws.demos:
+        return None
+    function = import_object(ws.teacher, "warmstart.teacher")
+    return lambda entry, rng: str(function(entry, rng, **ws.teacher_params))
 
 
 def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict:
@@ -73,20 +129,27 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     # Supervised data comes from a seed of its own, apart from RL (task.seed) and eval (task.eval_seed).
     train_tasks = load_tasks(cfg.task, seed=cfg.task.seed + 7919)
     eval_tasks = load_tasks(cfg.task, held_out=True) or train_tasks
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed)
-    n_params = sum(p.numel() for p in model.parameters())
     demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
+    teacher = _teacher(ws)
+    tokenizer = build_tokenizer(cfg, train_tasks, demos)
+    model = build_tiny_model(tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads)
+    n_params = sum(p.numel() for p in model.parameters())
     renderer = Renderer(tokenizer)
 
     def example() -> tuple[list[int], list[int]]:
         if demos:
             return _demo_example(demos, renderer, rng)
-        return _task_example(train_tasks, tokenizer, rng.randrange(10**9))
+        while True:
+            try:
+                return _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng)
+            except BadTaskRow:
+                continue
 
-    source = ws.demos or cfg.task.name
-    log(f"warmstart: {n_params / 1e6:.2f}M-parameter Llama, {ws.steps} steps of supervised training on {source}")
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.01)
+    source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
+    log(f"warmstart: {n_params / 1e6:.2f}M-parameter {ws.architecture}, {ws.tokenizer} tokenizer of {len(tokenizer)} "
+        f"tokens, {ws.steps} steps of supervised training on {source}")
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, ws.steps, ws.warmup_steps))
     start, step, loss_value = time.monotonic(), 0, float("nan")
     model.train()
     while step < ws.steps and time.monotonic() - start < ws.max_seconds:
@@ -95,16 +158,23 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        schedule.step()
         step, loss_value = step + 1, loss.item()
         if step % 100 == 0:
             log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
     model.eval()
+    if step < ws.steps:  # a slow or busy machine: the policy may not have learned what the recipe needs
+        log(f"\nwarmstart: stopped at step {step} of {ws.steps} by warmstart.max_seconds = {ws.max_seconds:.0f}; "
+            "the policy may be undertrained (is another job using the cores?)")
     # an agent task's accuracy needs its agent: the run's first evaluation measures it
-    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, min(cfg.task.eval_size, 200) or 200,
+    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200,
                                                                cfg.rollout.max_tokens)
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
-               "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source}
+               "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,
+               "tokenizer": ws.tokenizer, "vocab": len(tokenizer), "architecture": ws.architecture,
+               "recipe": recipe(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from asyncrl.files import atomic_path, write_atomic
 
 
 def weights_dir(run_dir: str | Path) -> Path:
@@ -52,15 +53,10 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def publish(run_dir: str | Path, version: int, state: dict[str, torch.Tensor], meta: dict) -> str:
     """Write version `version`; returns its hash."""
-    path = weights_file(run_dir, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(weights_file(run_dir, version)) as tmp:
+        save_file(state, str(tmp))
     digest = state_hash(state)
-    marker = marker_file(run_dir, version)
-    marker.with_suffix(".tmp").write_text(json.dumps({**meta, "version": version, "hash": digest}))
-    os.replace(marker.with_suffix(".tmp"), marker)
+    write_atomic(marker_file(run_dir, version), json.dumps({**meta, "version": version, "hash": digest}))
     return digest
 
 
@@ -119,8 +115,6 @@ def apply_patch(state: dict[str, torch.Tensor], patch: dict[str, torch.Tensor]) 
 
 def save_patch(run_dir: str | Path, version: int, patch: dict[str, torch.Tensor]) -> Path:
     path = patch_file(run_dir, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(patch, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(patch, str(tmp))
     return path

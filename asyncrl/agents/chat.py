@@ -21,6 +21,7 @@ from asyncrl.agents.tool_calls import PARSERS
 from asyncrl.agents.tools import parse_arguments
 from asyncrl.inference.client import InferenceUnavailable
 
+
 class ChatFormatError(ValueError):
     """The request cannot extend the episode's tokens without re-encoding what was sampled."""
 

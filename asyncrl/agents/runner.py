@@ -29,9 +29,9 @@ from asyncrl.agents.env import Environment, env_agent
 from asyncrl.agents.episode import Episode, EpisodeAborted, Limits
 from asyncrl.agents.tools import Tool, ToolResult, find_tool
 from asyncrl.config import ConfigError
+from asyncrl.imports import import_object
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.model import TINY_CHAT_TEMPLATE
-from asyncrl.imports import import_object
 from asyncrl.rewards.pool import VerifierError
 
 

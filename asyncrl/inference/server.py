@@ -32,6 +32,7 @@ from aiohttp import web
 
 from asyncrl import weights
 from asyncrl.config import read_run_config
+from asyncrl.files import write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.model import load_policy
@@ -328,8 +329,7 @@ async def serve(run_dir: Path) -> None:
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
     info = run_dir / "inference.json"
-    info.with_suffix(".tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
-    os.replace(info.with_suffix(".tmp"), info)
+    write_atomic(info, json.dumps({"url": url, "pid": os.getpid()}))
     print(f"inference: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads", flush=True)
     await asyncio.Event().wait()
 

@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 
 from asyncrl.objectives.common import (
-    LossInputs, clip_metrics, clipped_surrogate, importance_weight, masked, masked_fraction,
+    LossInputs,
+    clip_metrics,
+    clipped_surrogate,
+    importance_weight,
+    masked,
+    masked_fraction,
 )
 
 

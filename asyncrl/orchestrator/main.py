@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,15 +28,18 @@ from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
 from asyncrl.events import EventLog
+from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceClient, InferenceUnavailable
 from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
-from asyncrl.orchestrator.rollout import all_or_none, rollout_agent_group, rollout_group
+from asyncrl.orchestrator.evaluation import Evaluator
+from asyncrl.orchestrator.records import batch_stats, profile
+from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.profile import Phases
-from asyncrl.rewards.pool import VerifierPool, VerifierError
-from asyncrl.rewards.tasks import BadTaskRow, MixedTasks, TaskSource, load_tasks
+from asyncrl.rewards.pool import VerifierPool
+from asyncrl.rewards.tasks import BadTaskRow, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
 GROUP_ATTEMPTS = 3  # a prompt whose generation fails this often (the server died under it each time) is dropped
@@ -48,8 +50,6 @@ class Orchestrator:
         self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
-        self.eval_tasks = self._eval_tasks(cfg)
-        self.eval_items: tuple[list[dict], list[list[int]]] | None = None
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
@@ -63,11 +63,10 @@ class Orchestrator:
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
         self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) if any(cfg.agent_paths().values()) \
             else None
+        eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
+        self.evaluator = Evaluator(cfg, eval_tasks, tokenizer, client, verifiers, self.agents, self._server) \
+            if eval_tasks else None
         self._restore()
-
-    @staticmethod
-    def _eval_tasks(cfg: Config) -> TaskSource | MixedTasks | None:
-        return load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
 
     def _restore(self) -> None:
         """State from the ledger: empty on a fresh run, everything durable after a restart."""
@@ -90,10 +89,7 @@ class Orchestrator:
         self.committed_through = int(newest.name.removeprefix("step_")) if newest else 0
         led.commit_through(self.committed_through)
         # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
-        lines = "".join(json.dumps(r) + "\n" for r in led.metrics())
-        tmp = self.run_dir / "metrics.jsonl.tmp"
-        tmp.write_text(lines)
-        os.replace(tmp, self.run_dir / "metrics.jsonl")
+        write_atomic(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in led.metrics()))
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
@@ -188,12 +184,12 @@ class Orchestrator:
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)
 
-    def _prompt(self, index: int, tasks: TaskSource | None = None) -> tuple[dict, list[int]]:
+    def _prompt(self, index: int) -> tuple[dict, list[int]]:
         """(item, prompt token ids); BadTaskRow if the item is malformed, empty or too long to serve."""
-        tasks = tasks or self.tasks
+        tasks = self.tasks
         entry = tasks.item(index)
         entry = {**entry, "prompt": tasks.prompt(entry)}  # what an agent is asked
-        prompt = self.tokenizer(entry["prompt"])["input_ids"]
+        prompt = tasks.prompt_ids(entry, self.tokenizer)
         limit = self.cfg.inference.max_prompt_tokens
         if len(prompt) > limit:
             raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
@@ -252,7 +248,7 @@ class Orchestrator:
                 await self._notify()
             trajs = [t for g in batch for t in g]
             with self.phases("ledger"):
-                self.ledger.batch(step, trajs, self._batch_stats(step, trajs, dropped))
+                self.ledger.batch(step, trajs, batch_stats(step, trajs, dropped))
             with self.phases("write_batch"):
                 self._write_batch(step, trajs)
         self.assembled = True
@@ -264,38 +260,6 @@ class Orchestrator:
         if self.cfg.rollout.task_normalization:
             normalize_per_task(trajs)
         write_batch(self.run_dir, step, trajs)
-
-    @staticmethod
-    def _batch_stats(step: int, trajs: list[Trajectory], dropped: int) -> dict:
-        rewards = [t.reward for t in trajs]
-        stale = [t.staleness(step) for t in trajs]
-        return {
-            "reward": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "samples": len(trajs),
-            "staleness_hist": {str(s): stale.count(s) for s in sorted(set(stale))},
-            "dropped_stale_groups": dropped,
-            "completion_tokens": sum(sum(t.loss_mask) for t in trajs),
-            **Orchestrator._task_stats(trajs),
-        }
-
-    @staticmethod
-    def _task_stats(trajs: list[Trajectory]) -> dict:
-        """reward/<task>, accuracy/<task>, samples/<task> when the batch mixes tasks; turns and tool
-        use when agents played it."""
-        out = {}
-        tasks = sorted({t.task for t in trajs})
-        for task in tasks if len(tasks) > 1 else []:
-            rewards = [t.reward for t in trajs if t.task == task]
-            out.update({f"reward/{task}": sum(rewards) / len(rewards), f"samples/{task}": len(rewards),
-                        f"accuracy/{task}": sum(r >= 1.0 for r in rewards) / len(rewards)})
-        played = [t.info for t in trajs if "turns" in t.info]
-        if played:
-            out.update({"turns_mean": sum(i["turns"] for i in played) / len(played),
-                        "tool_calls_mean": sum(i["tool_calls"] for i in played) / len(played),
-                        "tool_errors": sum(i["tool_errors"] for i in played),
-                        "truncated_fraction": sum(bool(i["truncated"]) for i in played) / len(played)})
-        return out
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
@@ -325,14 +289,15 @@ class Orchestrator:
             self.events.write("committed", through_step=self.committed_through, samples=n)
 
     async def _wait_for_final_checkpoint(self) -> None:
-        deadline = time.monotonic() + self.cfg.timeouts.checkpoint
         root = checkpoint.checkpoints_dir(self.run_dir)
-        while self.committed_through < self.cfg.run.steps:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not "
-                                   f"appear in {root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
+
+        def committed_all() -> bool:
             self._commit(checkpoint.valid_steps(root, verify=False))
-            await asyncio.sleep(0.05)
+            return self.committed_through >= self.cfg.run.steps
+
+        await apoll(committed_all, self.cfg.timeouts.checkpoint,
+                    f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not appear in "
+                    f"{root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
 
     def _update_body(self, version: int, marker: dict) -> dict:
         body = {"path": str(weights.weights_file(self.run_dir, version)), "version": version,
@@ -343,16 +308,16 @@ class Orchestrator:
         return body
 
     async def _wait_for_version(self, version: int) -> dict:
-        start, path = time.monotonic(), weights.marker_file(self.run_dir, version)
-        while not path.exists():  # (a stat every 5 ms; reading the marker each time cost 5% of this process)
+        path = weights.marker_file(self.run_dir, version)
+
+        def published() -> bool:  # (a stat every 5 ms; reading the marker each time cost 5% of this process)
             if self.failure:
                 raise self.failure
-            if time.monotonic() - start > self.cfg.timeouts.train_step:
-                raise TimeoutError(
+            return path.exists()
+
+        await apoll(published, self.cfg.timeouts.train_step,
                     f"orchestrator: the trainer did not publish version {version} (step {version - 1}) "
-                    f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)"
-                )
-            await asyncio.sleep(0.005)
+                    f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", every=0.005)
         return weights.read_marker(self.run_dir, version)
 
     async def _step_record(self, version: int, marker: dict) -> dict:
@@ -372,74 +337,17 @@ class Orchestrator:
             "trainer_busy_seconds": marker.pop("busy_seconds"),
             "trainer_idle_seconds": marker.pop("idle_seconds"),
             "orchestrator_cpu_seconds": time.process_time(),
-            **self._profile(stats),
+            **profile(stats, self.phases, self.verifiers, self.cpu_at_start, self.up_since),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
             **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash", "batch_digest")},
         }
 
-    def _profile(self, stats: dict) -> dict:
-        """Running totals of where each role's time went (asyncrl/profile.py), for the report's chart."""
-        inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
-        return {**inference, "time/inference/uptime": stats["uptime_seconds"], **self.phases.totals("time/orchestrator"),
-                "time/orchestrator/cpu": time.process_time() - self.cpu_at_start,
-                "time/orchestrator/uptime": time.monotonic() - self.up_since,
-                "time/verifiers/score": self.verifiers.cpu_seconds}
-
-    def _eval_set(self) -> tuple[list[dict], list[list[int]]]:
-        """The held-out items and their prompt ids, built once (every evaluation uses the same)."""
-        if self.eval_items is None:
-            entries, prompts = [], []
-            for i in range(self.cfg.task.eval_size):
-                try:
-                    entry, prompt = self._prompt(i, self.eval_tasks)
-                    prompts.append(prompt)
-                    entries.append(entry)
-                except BadTaskRow:  # a bad held-out row is left out of the denominator
-                    continue
-            self.eval_items = entries, prompts
-        return self.eval_items
-
     async def evaluate(self) -> None:
         """Greedy accuracy on the fixed held-out set, under whatever version the server holds."""
-        if self.eval_tasks is None:
-            return
-        entries, prompts = self._eval_set()
-        agentic = [bool(self.agents and self.agents.agent_for(e)) for e in entries]
-        parts = [(scorer, [i for i, a in enumerate(agentic) if a == wanted])
-                 for scorer, wanted in ((self._evaluate_completions, False), (self._evaluate_agents, True))]
-        results = await asyncio.gather(*(scorer([entries[i] for i in rows], [prompts[i] for i in rows])
-                                         for scorer, rows in parts if rows))
-        scores, versions = [0.0] * len(entries), []
-        for (_, rows), (part_scores, part_versions) in zip([p for p in parts if p[1]], results):
-            for i, score in zip(rows, part_scores):
-                scores[i] = score
-            versions += part_versions
-        version = min(versions) if versions else self.served_version
-        record = {"eval_version": version, "eval_accuracy": sum(scores) / max(len(entries), 1), "time": self._now()}
-        for tag in (m.tag for m in self.cfg.task.mix):  # per-task accuracy of a multi-task run
-            mine = [s for s, e in zip(scores, entries) if e["task"] == tag]
-            if mine:
-                record[f"eval_accuracy/{tag}"] = sum(mine) / len(mine)
-        self.ledger.record_eval(record)
-        self._write_metrics(record)
-
-    async def _evaluate_completions(self, entries: list[dict], prompts: list[list[int]]):
-        """(score per item, versions that sampled) of one greedy completion per item."""
-        choices = await self._server(
-            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
-        results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
-                                                  self.cfg.timeouts.verifier)
-        scores = [0.0 if isinstance(r, VerifierError) else r for r in results]  # an unscorable answer counts as wrong
-        return scores, [min(c["versions"]) for c in choices if c["versions"]]
-
-    async def _evaluate_agents(self, entries: list[dict], prompts: list[list[int]]):
-        """(reward per item, versions that sampled) of one greedy episode per item; a failed one scores 0."""
-        outcomes = await self._server(lambda: all_or_none(
-            self.agents.episode(e, f"eval-{i}", priority=-1, greedy=True) for i, e in enumerate(entries)),
-            "an evaluation")
-        versions = [o.episode.versions for o in outcomes]
-        return ([o.reward if o.failure is None else 0.0 for o in outcomes],
-                [min(v for v in vs if v >= 0) for vs in versions if any(v >= 0 for v in vs)])
+        if self.evaluator is not None:
+            record = {**await self.evaluator.run(self.served_version), "time": self._now()}
+            self.ledger.record_eval(record)
+            self._write_metrics(record)
 
     async def _beat(self) -> None:
         while True:

@@ -12,7 +12,6 @@ import time
 
 from asyncrl.config import TaskConfig
 
-
 STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
 
 

@@ -5,16 +5,26 @@ Tasks come from a reasoning-gym dataset (generated offline), from a JSONL file o
 (`task.name = "module:function"`); the last two are scored by exact match unless
 `task.verifier` is set. A task item is a dict (question, answer, metadata). Index i always
 names the same item (a file is read in epochs), so a run's dataset position is one integer.
+
+Held-out items of a generated task never appear in training or in the warm start: a hash of
+the item's prompt text and answer puts every distinct item on one side (`task.holdout` of them
+held out), and each side draws only items of its own. (Two generator seeds alone would share
+items: there are only ~8k sums of two 2-digit numbers.) A JSONL task holds out its
+`task.eval_path` file. A task with few distinct items (a guessing game with 15 secrets) has an
+almost empty held-out side: `task.holdout = 0` evaluates it on fresh draws instead.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from typing import Any
 
 from asyncrl.config import ConfigError, TaskConfig
 from asyncrl.imports import import_object
 
-_SIZE = 10**9  # reasoning-gym generates item i on demand; the size only bounds the index
+_SIZE = 2**62  # reasoning-gym generates item i on demand; the size only bounds the index
+_STRIDE = 1_000_000_007  # between a split's attempts at one index: a prime, so no index pattern repeats
 
 
 class BadTaskRow(ValueError):
@@ -66,12 +76,27 @@ class GeneratedTasks:
     score_answer = staticmethod(JsonlRows.score_answer)
 
 
-class TaskSource:
-    """Items, prompts and scores of one dataset."""
+def item_key(prompt: str, entry: dict[str, Any]) -> str:
+    """What makes two items the same: what the policy is asked, and the answer that scores it."""
+    return f"{prompt}\x00{entry.get('answer')}"
 
-    def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None):
-        self.cfg = cfg
+
+def held_out(key: str, fraction: float) -> bool:
+    """Whether an item is on the held-out side of the split (the same on every machine)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+class TaskSource:
+    """Items, prompts and scores of one dataset; `side` is "train" or "eval" of the holdout split."""
+
+    def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None, side: str = "train"):
+        self.cfg, self.side = cfg, side
         self._verifier = import_object(cfg.verifier, "task.verifier") if cfg.verifier else None
+        self.split = cfg.name != "jsonl" and 0 < cfg.holdout < 1
+        if self.split:  # candidates per index: one of its side turns up in all but ~e^-40 of indices
+            share = cfg.holdout if side == "eval" else 1 - cfg.holdout
+            self.tries = math.ceil(40 / share)
         if cfg.name == "jsonl":
             self.dataset = JsonlRows(path or cfg.path)
             return
@@ -91,6 +116,16 @@ class TaskSource:
             raise ConfigError(f"task.params = {cfg.params!r} do not fit dataset {cfg.name!r}: {e}") from None
 
     def item(self, index: int) -> dict[str, Any]:
+        if not self.split:
+            return self._generate(index)
+        for attempt in range(self.tries):  # item i is generator item i when it is on this side (as without a split)
+            entry = self._generate(index + attempt * _STRIDE)
+            if held_out(item_key(self.prompt(entry), entry), self.cfg.holdout) == (self.side == "eval"):
+                return entry
+        raise BadTaskRow(f"{self.cfg.name} item {index}: none of {self.tries} generated items falls on the "
+                         f"{self.side} side of the split (task.holdout = {self.cfg.holdout})")
+
+    def _generate(self, index: int) -> dict[str, Any]:
         try:
             return self.dataset[index]
         except BadTaskRow:
@@ -106,11 +141,26 @@ class TaskSource:
             raise BadTaskRow(f"item {entry.get('metadata', {})} has an empty prompt")
         return entry["question"]
 
+    def prompt_ids(self, entry: dict[str, Any], tokenizer) -> list[int]:
+        """The prompt's token ids: a user turn of the tokenizer's chat template (task.chat), else plain text."""
+        return encode_prompt(tokenizer, self.prompt(entry), self.cfg.chat)
+
     def score(self, completion: str, entry: dict[str, Any]) -> float:
         """Reward in [0, 1]; may raise (the caller records the error against the sample)."""
         if self._verifier is not None:
             return float(self._verifier(completion, entry))
         return float(self.dataset.score_answer(completion.strip(), entry))
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if not chat:
+        return tokenizer(text)["input_ids"]
+    if not tokenizer.chat_template:
+        raise ConfigError(f"task.chat is on but the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
+                          "set task.chat = false to send prompts as plain text")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 class MixedTasks:
@@ -121,7 +171,8 @@ class MixedTasks:
         self.seed, self.tags, self.weights, self.sources = seed, [], [], {}
         for mix in cfg.mix:
             sub = TaskConfig(name=mix.name, path=mix.path, eval_path=mix.eval_path, params=mix.params,
-                             prompt_format=mix.prompt_format, verifier=mix.verifier, seed=cfg.seed)
+                             prompt_format=mix.prompt_format, verifier=mix.verifier, seed=cfg.seed,
+                             holdout=cfg.holdout if mix.holdout is None else mix.holdout, chat=cfg.chat)
             source = load_tasks(sub, held_out, seed)
             if source is None:  # no held-out rows for this task
                 continue
@@ -138,6 +189,9 @@ class MixedTasks:
     def prompt(self, entry: dict[str, Any]) -> str:
         return self.sources[entry["task"]].prompt(entry)
 
+    def prompt_ids(self, entry: dict[str, Any], tokenizer) -> list[int]:
+        return self.sources[entry["task"]].prompt_ids(entry, tokenizer)
+
     def score(self, completion: str, entry: dict[str, Any]) -> float:
         return self.sources[entry["task"]].score(completion, entry)
 
@@ -150,4 +204,23 @@ def load_tasks(cfg: TaskConfig, held_out: bool = False, seed: int | None = None)
         return mixed if mixed.tags else None
     if held_out and cfg.name == "jsonl" and not cfg.eval_path:
         return None
-    return TaskSource(cfg, seed=seed, path=cfg.eval_path if held_out else None)
+    return TaskSource(cfg, seed=seed, path=cfg.eval_path if held_out else None, side="eval" if held_out else "train")
+
+
+def eval_entries(tasks: TaskSource | MixedTasks, size: int) -> list[dict[str, Any]]:
+    """Up to `size` distinct held-out items, the same on every call: the first ones of the held-out
+    stream, bad rows skipped. A task with fewer distinct held-out items gives what it has (the
+    stream is read up to 20x `size` items)."""
+    entries, seen = [], set()
+    for index in range(20 * size):
+        if len(entries) == size:
+            break
+        try:
+            entry = tasks.item(index)
+            key = item_key(tasks.prompt(entry), entry)
+        except BadTaskRow:  # a bad held-out row is left out of the denominator
+            continue
+        if key not in seen:
+            seen.add(key)
+            entries.append(entry)
+    return entries

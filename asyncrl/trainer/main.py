@@ -9,6 +9,7 @@ before the crash.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from asyncrl import checkpoint, weights
 from asyncrl.config import read_run_config
 from asyncrl.events import EventLog
+from asyncrl.files import poll
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.ledger import batch_digest
 from asyncrl.model import load_policy
@@ -27,17 +29,32 @@ from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import batch_path, read_batch
 
 
+def lr_schedule(cfg):
+    """The lr factor at optimizer step s: a linear warm-up (Adam's first steps move every weight by
+    ~lr whatever the gradient's size), then constant or a cosine down to trainer.min_lr_ratio at the
+    run's last step."""
+    t = cfg.trainer
+    warmup, total = t.warmup_steps, max(1, cfg.run.steps * t.minibatches)
+
+    def factor(step: int) -> float:
+        ramp = min(1.0, (step + 1) / (warmup + 1))
+        if t.lr_schedule == "constant" or step < warmup:
+            return ramp
+        done = min(1.0, (step - warmup) / max(1, total - warmup))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
+
+    return factor
+
+
 def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heartbeat) -> Path:
     path = batch_path(run_dir, step)
-    start = time.monotonic()
-    while not path.exists():
-        if time.monotonic() - start > deadline_s:
-            raise TimeoutError(
-                f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
-                f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?"
-            )
+
+    def arrived() -> bool:
         heartbeat.beat()
-        time.sleep(0.005)
+        return path.exists()
+
+    poll(arrived, deadline_s, f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
+         f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?", every=0.005)
     return path
 
 
@@ -88,8 +105,7 @@ def main(run_dir: str) -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, betas=cfg.trainer.betas, weight_decay=cfg.trainer.weight_decay
     )
-    warmup = cfg.trainer.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     first_step = 0
     if resumed is not None:
         optimizer.load_state_dict(resumed["optimizer"])

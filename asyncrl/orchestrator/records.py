@@ -1,0 +1,50 @@
+"""What the orchestrator records about a step: the batch's statistics (into the ledger) and where
+each role's time went (into the step's metrics record)."""
+from __future__ import annotations
+
+import time
+
+from asyncrl.profile import Phases
+from asyncrl.trajectory import Trajectory
+
+
+def batch_stats(step: int, trajs: list[Trajectory], dropped: int) -> dict:
+    rewards = [t.reward for t in trajs]
+    stale = [t.staleness(step) for t in trajs]
+    return {
+        "reward": sum(rewards) / len(rewards),
+        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "samples": len(trajs),
+        "staleness_hist": {str(s): stale.count(s) for s in sorted(set(stale))},
+        "dropped_stale_groups": dropped,
+        "completion_tokens": sum(sum(t.loss_mask) for t in trajs),
+        **task_stats(trajs),
+    }
+
+
+def task_stats(trajs: list[Trajectory]) -> dict:
+    """reward/<task>, accuracy/<task>, samples/<task> when the batch mixes tasks; turns and tool
+    use when agents played it."""
+    out = {}
+    tasks = sorted({t.task for t in trajs})
+    for task in tasks if len(tasks) > 1 else []:
+        rewards = [t.reward for t in trajs if t.task == task]
+        out.update({f"reward/{task}": sum(rewards) / len(rewards), f"samples/{task}": len(rewards),
+                    f"accuracy/{task}": sum(r >= 1.0 for r in rewards) / len(rewards)})
+    played = [t.info for t in trajs if "turns" in t.info]
+    if played:
+        out.update({"turns_mean": sum(i["turns"] for i in played) / len(played),
+                    "tool_calls_mean": sum(i["tool_calls"] for i in played) / len(played),
+                    "tool_errors": sum(i["tool_errors"] for i in played),
+                    "truncated_fraction": sum(bool(i["truncated"]) for i in played) / len(played)})
+    return out
+
+
+def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_since: float) -> dict:
+    """Running totals of where each role's time went (asyncrl/profile.py), for the report's chart:
+    the inference server's phases from its /stats, the orchestrator's own, the verifiers' CPU."""
+    inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
+    return {**inference, "time/inference/uptime": stats["uptime_seconds"], **phases.totals("time/orchestrator"),
+            "time/orchestrator/cpu": time.process_time() - cpu_at_start,
+            "time/orchestrator/uptime": time.monotonic() - up_since,
+            "time/verifiers/score": verifiers.cpu_seconds}

@@ -1,0 +1,202 @@
+"""The roles as local processes: start one, stop them, and the supervisor that keeps them alive.
+
+Each role is `python -m <module> RUN_DIR` with its own thread count and log file. A role that
+dies or hangs is restarted and picks up from the run directory (the trainer from its last
+checkpoint, the orchestrator from the ledger); one that keeps dying stops the run with its last
+log lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl import heartbeat
+from asyncrl.config import Config
+from asyncrl.events import EventLog
+from asyncrl.files import poll, write_atomic
+
+ROLES = {
+    "inference": "asyncrl.inference.server",
+    "trainer": "asyncrl.trainer.main",
+    "orchestrator": "asyncrl.orchestrator.main",
+}
+class RunError(RuntimeError):
+    pass
+
+
+def role_env(threads: int, **extra: str) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+
+
+def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess.Popen:
+    log = open(run_dir / "logs" / f"{role}.log", "a")  # a restarted role appends: its crash stays readable
+    return subprocess.Popen([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log,
+                            stderr=subprocess.STDOUT, env=role_env(threads, **env), start_new_session=True)
+
+
+def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subprocess.Popen:
+    """vLLM's OpenAI server on loopback; its URL goes to inference.json at once (the
+    orchestrator waits for /health within timeouts.startup)."""
+    import socket
+
+    port = cfg.inference.port or port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((cfg.inference.host, 0))
+            port = s.getsockname()[1]
+    cmd = [cfg.inference.vllm_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
+           "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
+           "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               OMP_NUM_THREADS=str(threads))
+    log = open(run_dir / "logs" / "inference.log", "a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    (run_dir / "inference.json").write_text(json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
+    return proc
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def stop(procs: dict[str, subprocess.Popen], grace: float = 5.0) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs.values():
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_for_inference(proc: subprocess.Popen, run_dir: Path, deadline: float) -> None:
+    log = run_dir / "logs" / "inference.log"
+
+    def started() -> bool:
+        if proc.poll() is not None:
+            raise RunError(f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}")
+        return (run_dir / "inference.json").exists()
+
+    try:
+        poll(started, deadline, "")
+    except TimeoutError:
+        raise RunError(f"the inference server did not start within {deadline:.0f}s (timeouts.startup); see {log}") from None
+
+
+class Supervisor:
+    """Starts the roles and keeps them alive: a role that exits with an error, or stops beating
+    for timeouts.heartbeat, is restarted (each role resumes from the run directory on its own);
+    past run.max_restarts restarts of one role the run stops with that role's last log lines."""
+
+    def __init__(self, cfg: Config, run_dir: Path, log=print):
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = {role: 0 for role in ROLES}
+        self.started: dict[str, float] = {}
+        self.events = EventLog(run_dir, "supervisor")
+        self.spare: subprocess.Popen | None = None  # asyncrl/standby.py, see run.warm_spare
+        self.spare_failed = False
+
+    def start(self, role: str) -> None:
+        threads = 1 if role == "orchestrator" else self.cfg.role_threads(role)
+        env = {}
+        if role == "inference":
+            env = {"ASYNCRL_INFERENCE_PORT": str(_previous_port(self.run_dir)),
+                   "ASYNCRL_INCARNATION": str(self.restarts[role])}
+        if role == "inference" and self.cfg.inference.engine == "vllm":
+            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, int(env["ASYNCRL_INFERENCE_PORT"]))
+        elif self.spare is not None and self.spare.poll() is None:
+            order = {"role": role, "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+            self.spare.stdin.write(json.dumps(order) + "\n")
+            self.spare.stdin.close()
+            self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
+        else:
+            self.procs[role] = start_role(role, self.run_dir, threads, **env)
+        self.started[role] = time.monotonic()
+        pids = {r: p.pid for r, p in self.procs.items()}
+        write_atomic(self.run_dir / "pids.json", json.dumps(pids))
+
+    def start_all(self) -> None:
+        (self.run_dir / "inference.json").unlink(missing_ok=True)  # (from an earlier launch) written anew once bound
+        shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
+        self.start("inference")
+        wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
+        self.start("trainer")
+        self.start("orchestrator")
+
+    def _start_spare_when_settled(self) -> None:
+        """A spare importing torch slows every role's start on a small machine: it waits for their first beats."""
+        if self.spare is not None and self.spare.poll() is not None:  # it died on its own: go cold from now on
+            self.log(f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
+                     "restarts will start cold")
+            self.spare, self.spare_failed = None, True
+        beating = [r for r in self.procs if not (r == "inference" and self.cfg.inference.engine == "vllm")]
+        wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
+                                                         and any(self.restarts.values()))
+        if wanted and not self.spare_failed and self.spare is None and all(heartbeat.age(self.run_dir, r) is not None
+                                                                   for r in beating):
+            log = open(self.run_dir / "logs" / "standby.log", "a")
+            self.spare = subprocess.Popen([sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
+                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          env=role_env(1), start_new_session=True)
+
+    def finished(self) -> bool:
+        """Check every role once; True when the trainer and the orchestrator have both completed."""
+        self._start_spare_when_settled()
+        for role, proc in self.procs.items():
+            code = proc.poll()
+            if code == 0 and role != "inference":
+                continue
+            if code is not None:
+                self._restart(role, f"exited with code {code}")
+            elif (stuck := self._stuck(role)) is not None:
+                proc.kill()
+                proc.wait()
+                self._restart(role, stuck)
+        return all(self.procs[r].poll() == 0 for r in ("trainer", "orchestrator"))
+
+    def _stuck(self, role: str) -> str | None:
+        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for timeouts.heartbeat."""
+        if role == "inference" and self.cfg.inference.engine == "vllm":
+            return None  # vLLM beats no file of ours; its process and /health are what we have
+        silent = heartbeat.age(self.run_dir, role)
+        if silent is None:
+            waited = time.monotonic() - self.started[role]
+            return f"did not start within {waited:.0f}s (timeouts.startup); killed" if waited > self.cfg.timeouts.startup else None
+        return f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed" if silent > self.cfg.timeouts.heartbeat else None
+
+    def _restart(self, role: str, why: str) -> None:
+        log = self.run_dir / "logs" / f"{role}.log"
+        if self.restarts[role] >= self.cfg.run.max_restarts:
+            self.events.write("role_failed", target=role, why=why, restarts=self.restarts[role])
+            raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
+                           f"last lines of {log}:\n{tail(log)}")
+        self.restarts[role] += 1
+        self.log(f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})")
+        self.events.write("role_restarted", target=role, why=why, restart=self.restarts[role])
+        heartbeat.heartbeat_file(self.run_dir, role).unlink(missing_ok=True)
+        self.start(role)
+
+    def stop(self) -> None:
+        stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
+
+
+def _previous_port(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "inference.json").read_text())["url"].rsplit(":", 1)[1])
+    except (FileNotFoundError, ValueError, KeyError, IndexError):
+        return 0
