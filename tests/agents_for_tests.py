@@ -1,12 +1,16 @@
-"""Agents, tools and environments the agent tests run (named by file path in their configs)."""
+"""Agents, tools and environments the agent tests run (named by file path in their configs), and the
+runner that plays them against a real inference server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
 from asyncrl.agents import Environment, Step, tool
 from asyncrl.imports import import_object
+
+HELPERS = str(Path(__file__))
 
 calc = import_object(str(Path(__file__).parents[1] / "examples/agents/calculator.py") + ":calc", "test")
 
@@ -103,3 +107,60 @@ class Countdown(Environment):
     async def step(self, reply: dict) -> Step:
         self.left -= 1
         return Step(observation=f"{self.left} left", reward=0.1, done=self.left == 0)
+
+
+async def bpe_turns_agent(task: dict, ctx):
+    """Three chat turns through the proxy: the question; a tool result and a user turn; a user turn."""
+    client = ctx.openai()
+    messages = [{"role": "user", "content": task["prompt"]}]
+    returned = RETURNED_IDS.setdefault(ctx.episode_id, [])
+    for turn in range(3):
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=[calc.schema],
+                                                        max_tokens=6)
+        returned.append(response.choices[0].model_extra["token_ids"])
+        messages.append(response.choices[0].message)
+        if turn == 0:
+            messages.append({"role": "tool", "tool_call_id": "call_0", "content": "408"})
+        messages.append({"role": "user", "content": f"turn {turn}"})
+    return 1.0
+
+
+@contextlib.asynccontextmanager
+async def agent_runner(server, agent: str, **overrides):
+    """An AgentRunner with its proxy, as the orchestrator runs it, for the agent `agent` of agents_for_tests."""
+    from conftest import job_config
+    from transformers import AutoTokenizer
+
+    from asyncrl.agents.proxy import start_proxy
+    from asyncrl.agents.runner import AgentRunner
+    from asyncrl.events import EventLog
+    from asyncrl.inference.client import InferenceClient
+    from asyncrl.rewards.pool import VerifierPool
+
+    url, run_dir, model = server
+    settings = {"agent.path": f"{HELPERS}:{agent}", "agent.tool_parser": "compact", "agent.max_episode_tokens": 200,
+                "inference.max_prompt_tokens": 256, "rollout.max_tokens": 16, **overrides}
+    cfg = job_config(run_dir.parent, model, **settings)
+    verifiers = VerifierPool(cfg.task, 1)
+    async with InferenceClient(url, 30) as client:
+        runner = AgentRunner(cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator"))
+        proxy, runner.proxy_url = await start_proxy(runner.sessions, "policy")
+        try:
+            yield runner, cfg, run_dir
+        finally:
+            await runner.close()
+            await proxy.cleanup()
+            verifiers.close()
+
+
+def sampled_spans(episode) -> list[list[int]]:
+    spans, current = [], []
+    for token, mask in zip(episode.tokens, episode.loss_mask):
+        if mask:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
+
+

@@ -12,6 +12,8 @@ import pytest
 from asyncrl.config import load_config
 
 TESTS = Path(__file__).parent
+# the agent tests' policy: one token per character and the compact tool format of the tiny examples
+CHAR_POLICY = {"tokenizer": "char", "architecture": "llama", "kv_heads": 4}
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +41,7 @@ def calc_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("model") / "calc"
     cfg = load_config(overrides={"warmstart": {
         "demos": str(TESTS.parent / "examples/agents/calculator.py") + ":demos", "steps": 300, "batch_size": 32,
-        "hidden_size": 64, "layers": 2, "lr": 3e-3}})
+        "hidden_size": 64, "layers": 2, "lr": 3e-3, **CHAR_POLICY}})
     warmstart(cfg, out, log=lambda *a, **k: None)
     return str(out)
 
@@ -47,7 +49,8 @@ def calc_model(tmp_path_factory) -> str:
 @contextlib.contextmanager
 def inference_server(tmp_path: Path, model: str):
     """A real inference server process for `model`: yields (url, run_dir)."""
-    from asyncrl.launcher import prepare_run_dir, start_role, stop, wait_for_inference
+    from asyncrl.launcher import prepare_run_dir
+    from asyncrl.supervisor import start_role, stop, wait_for_inference
 
     run_dir = prepare_run_dir(job_config(tmp_path, model))
     proc = start_role("inference", run_dir, threads=1)
@@ -74,6 +77,20 @@ def job_args(tmp_path: Path, model: str, **overrides) -> list[str]:
     }
     base.update(overrides)
     return [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]
+
+
+@pytest.fixture
+def record(request):
+    """record(name, value, threshold): a quantity this test measured and the bound it asserts, appended
+    to the JSONL file ASYNCRL_TEST_RECORD names (benchmarks/flakiness.py reports each one's spread)."""
+    path = os.environ.get("ASYNCRL_TEST_RECORD")
+
+    def write(name: str, value: float, threshold: float | None = None) -> None:
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": request.node.nodeid, "name": name, "value": value,
+                                    "threshold": threshold}) + "\n")
+    return write
 
 
 @pytest.fixture

@@ -48,9 +48,12 @@ def hang_once_loss(inp, cfg):
 
 
 def by_word(completion: str, entry: dict) -> float:
-    """Hangs on "hang", raises on "raise", scores anything else 1."""
+    """Hangs on "hang", raises on "raise", spends 0.05 s of CPU on "burn", scores anything else 1."""
     if completion == "hang":
         time.sleep(3600)
     if completion == "raise":
         raise ValueError("asked to")
+    start = time.process_time()
+    while completion == "burn" and time.process_time() - start < 0.05:
+        pass
     return 1.0

@@ -1,23 +1,18 @@
 """Agents against a real inference server process: token-faithful multi-turn records, the
 OpenAI proxy driven by the official `openai` client, tools that fail, agents that fail."""
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 
-import pytest
-
 import agents_for_tests as helpers
-from asyncrl.agents.chat import Renderer, conversation_segments, normalize
-from asyncrl.agents.proxy import start_proxy
-from asyncrl.agents.runner import AgentRunner, EpisodeQueue
-from asyncrl.events import EventLog, read_events
-from asyncrl.inference.client import InferenceClient
-from asyncrl.orchestrator.rollout import rollout_agent_group
-from asyncrl.rewards.pool import VerifierPool
+import pytest
+from agents_for_tests import agent_runner, sampled_spans
 from conftest import inference_server, job_config
 
-HELPERS = str(Path(helpers.__file__))
+from asyncrl.agents.chat import Renderer, conversation_segments, normalize
+from asyncrl.agents.runner import EpisodeQueue
+from asyncrl.events import read_events
+from asyncrl.orchestrator.rollout import rollout_agent_group
 
 
 @pytest.fixture(scope="module")
@@ -26,43 +21,12 @@ def server(calc_model, tmp_path_factory):
         yield url, run_dir, calc_model
 
 
-@contextlib.asynccontextmanager
-async def agent_runner(server, agent: str, **overrides):
-    """An AgentRunner with its proxy, as the orchestrator runs it, for the agent `agent` of agents_for_tests."""
-    from transformers import AutoTokenizer
-
-    url, run_dir, model = server
-    settings = {"agent.path": f"{HELPERS}:{agent}", "agent.tool_parser": "compact", "agent.max_episode_tokens": 200,
-                "inference.max_prompt_tokens": 256, "rollout.max_tokens": 16, **overrides}
-    cfg = job_config(run_dir.parent, model, **settings)
-    verifiers = VerifierPool(cfg.task, 1)
-    async with InferenceClient(url, 30) as client:
-        runner = AgentRunner(cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator"))
-        proxy, runner.proxy_url = await start_proxy(runner.sessions, "policy")
-        try:
-            yield runner, cfg, run_dir
-        finally:
-            await runner.close()
-            await proxy.cleanup()
-            verifiers.close()
-
-
 def run(coro):
     return asyncio.run(coro)
 
 
-def sampled_spans(episode) -> list[list[int]]:
-    spans, current = [], []
-    for token, mask in zip(episode.tokens, episode.loss_mask):
-        if mask:
-            current.append(token)
-        elif current:
-            spans.append(current)
-            current = []
-    return spans + ([current] if current else [])
-
-
-def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server):
+def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server, record):
+    """SPREAD"""
     encoded: list[list[int]] = []
 
     async def go():
@@ -89,6 +53,7 @@ def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server):
         text = tok.decode(ep.tokens)
         assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<eos>\n")
         tool_turns += sum(1 for m in messages if m["role"] == "tool")
+    record("tool_turns", tool_turns, threshold=0)
     assert tool_turns > 0, "no episode called the calculator; the test could not check tool turns"
     # nothing the policy sampled was ever encoded: every encoded token is context (mask 0)
     assert sum(len(e) for e in encoded) == sum(len(o.episode.tokens) - o.episode.sampled_tokens for o in outcomes)
@@ -205,37 +170,49 @@ def test_conversation_segments_mark_only_the_replies(calc_model):
 
 
 def test_episode_queue_limits_concurrency_and_batches_in_waves():
-    async def measure(mode: str) -> tuple[int, dict[int, float]]:
-        queue, running, peak, started = EpisodeQueue(3, mode), 0, 0, {}
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+    """Deterministic: episode 0 is a straggler that runs until released; the others finish at once."""
+    async def measure(mode: str) -> tuple[int, list[int], list[tuple[str, int]]]:
+        queue, running, peak, log = EpisodeQueue(3, mode), 0, 0, []
+        release = asyncio.Event()
 
-        async def episode(i: int, seconds: float):
+        async def episode(i: int):
             nonlocal running, peak
             async with queue.slot(i):
-                started[i] = loop.time() - t0
+                log.append(("start", i))
                 running += 1
                 peak = max(peak, running)
-                await asyncio.sleep(seconds)
+                await (release.wait() if i == 0 else asyncio.sleep(0))
                 running -= 1
+                log.append(("end", i))
 
-        # episode 0 is a straggler: in waves, 3.. wait for it; in the queue they take the free slots
-        await asyncio.gather(*(episode(i, 0.4 if i == 0 else 0.02) for i in range(9)))
-        return peak, started
+        tasks = [asyncio.create_task(episode(i)) for i in range(9)]
+        seen = -1
+        while seen != len(log):  # let every episode that can run, run, while the straggler holds its slot
+            seen = len(log)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        started_meanwhile = sorted(i for event, i in log if event == "start")
+        release.set()
+        await asyncio.gather(*tasks)
+        return peak, started_meanwhile, log
 
-    peak, started = run(measure("queue"))
-    assert peak == 3 and started[3] < 0.2 and started[8] < 0.3
-    peak, started = run(measure("batch"))
-    assert peak == 3 and started[3] >= 0.39 and sorted(started, key=started.get) == list(range(9))
+    peak, meanwhile, _ = run(measure("queue"))
+    assert peak == 3 and meanwhile == list(range(9))  # the straggler's wave-mates' slots went on to 3..8
+    peak, meanwhile, log = run(measure("batch"))
+    assert peak == 3 and meanwhile == [0, 1, 2]  # the next wave waits for the straggler
+    assert log.index(("start", 3)) > log.index(("end", 0))
+    assert [i for event, i in log if event == "start"] == list(range(9))
 
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "agents"
 
 
 @pytest.mark.e2e
-def test_multi_task_agent_run_end_to_end(calc_model, tmp_path):
+def test_multi_task_agent_run_end_to_end(calc_model, tmp_path, record):
     """A real run (three processes) mixing the OpenAI-client calculator agent (through the proxy) and
-    the guessing Environment, with per-task advantage normalisation and per-task metrics."""
+    the guessing Environment, with per-task advantage normalisation and per-task metrics.
+
+    SPREAD"""
     from asyncrl.launcher import train
     from asyncrl.ledger import audit
     from asyncrl.trajectory import batch_path, read_batch
@@ -243,7 +220,8 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path):
     mix = [{"name": "products", "label": "calc", "params": {"min_terms": 2, "max_terms": 2, "min_digits": 2,
                                                               "max_digits": 3},
             "verifier": f"{EXAMPLES}/calculator.py:exact", "agent": f"{EXAMPLES}/calculator.py:agent"},
-           {"name": f"{EXAMPLES}/guess.py:tasks", "label": "guess", "agent": f"{EXAMPLES}/guess.py:Guess"}]
+           {"name": f"{EXAMPLES}/guess.py:tasks", "label": "guess", "agent": f"{EXAMPLES}/guess.py:Guess",
+            "holdout": 0}]
     cfg = job_config(tmp_path, calc_model, **{
         "run.steps": 6, "task.eval_size": 16, "task.eval_every": 3, "agent.tool_parser": "compact",
         "agent.max_turns": 4, "agent.max_episode_tokens": 80, "rollout.max_tokens": 16,
@@ -256,7 +234,9 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path):
     for t in trajs:  # the record's invariants hold in what the trainer read
         assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions) <= 80
         assert all((m == 1) == (v >= 0) for m, v in zip(t.loss_mask, t.versions))
-    assert any(t.info["tool_calls"] for t in trajs if t.task == "calc")
+    calls = sum(t.info["tool_calls"] for t in trajs if t.task == "calc")
+    record("calc_tool_calls", calls, threshold=0)
+    assert calls > 0
     assert max(t.info["turns"] for t in trajs if t.task == "guess") > 1
     for step in range(cfg.run.steps):  # per task and batch, token advantages have mean 0
         batch = read_batch(batch_path(run_dir, step))

@@ -5,8 +5,10 @@ from asyncrl.config import ConfigError, load_config, parse_overrides
 
 def test_defaults_run_the_cpu_demo():
     cfg = load_config()
-    assert cfg.model.path == "models/tiny-chain-sum"
-    assert cfg.task.name == "chain_sum"
+    assert cfg.model.path == "models/tiny-default"
+    assert (cfg.task.name, cfg.task.chat, cfg.warmstart.tokenizer, cfg.warmstart.architecture) == \
+        ("basic_arithmetic", True, "bpe", "qwen3")
+    assert cfg.task.holdout > 0 and cfg.task.eval_size >= 500
     assert cfg.objective.name in ("ppo_clip", "decoupled_ppo")
 
 

@@ -2,11 +2,11 @@
 import json
 
 import pytest
+from conftest import job_config
 
 from asyncrl.launcher import train
 from asyncrl.trajectory import batch_path, read_batch
 from asyncrl.weights import read_marker
-from conftest import job_config
 
 pytestmark = pytest.mark.e2e
 
@@ -32,16 +32,20 @@ def test_staleness_bound_holds_for_every_trained_sample(tiny_model, tmp_path, et
     assert (run_dir / "checkpoints" / f"step_{cfg.run.steps:06d}" / "model.safetensors").exists()
 
 
-def test_reward_rises(tiny_model, tmp_path):
-    """60 steps of GRPO from the warm start lift greedy accuracy on 300 held-out prompts."""
+def test_reward_rises(tiny_model, tmp_path, record):
+    """40 steps of the default recipe's RL lift greedy accuracy on 500 held-out prompts by 15 points.
+
+    SPREAD"""
     cfg = job_config(tmp_path, tiny_model, **{
-        "run.steps": 60, "rollout.prompts_per_step": 16, "rollout.group_size": 8,
-        "rollout.max_staleness": 1, "task.eval_size": 300, "task.eval_every": 60,
+        "run.steps": 40, "rollout.prompts_per_step": 16, "rollout.group_size": 8,
+        "rollout.max_staleness": 1, "task.eval_size": 500, "task.eval_every": 40,
     })
     run_dir = train(cfg, log=lambda *a, **k: None)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval_version_final"] == 60
-    assert summary["eval_accuracy_final"] > summary["eval_accuracy_start"] + 0.02, summary
+    assert summary["eval_version_final"] == 40
+    gain = summary["eval_accuracy_final"] - summary["eval_accuracy_start"]
+    record("accuracy_gain", gain, threshold=0.15)
+    assert gain > 0.15, summary
 
 
 def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_path):
@@ -53,10 +57,13 @@ def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_p
     assert (saved["inference"]["threads"], saved["trainer"]["threads"]) == (plan["inference"], plan["trainer"])
     assert plan["inference"] + plan["trainer"] <= plan["cores"] and set(plan["measured_seconds"]) >= {"1"}
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line][-1]
+    # every version was trained, published, loaded and its samples generated and scored: each phase took
+    # time, and the trainer's phases (one thread, timed one after another) fit in the time it was up
     for key in ("time/trainer/forward_backward", "time/trainer/publish", "time/inference/generate",
                 "time/inference/load_weights", "time/orchestrator/cpu", "time/verifiers/score"):
-        assert last[key] >= 0, key
-    assert last["time/trainer/forward_backward"] > 0 and last["time/inference/generate"] > 0
+        assert last[key] > 0, key
+    trainer = sum(v for k, v in last.items() if k.startswith("time/trainer/") and not k.endswith("/uptime"))
+    assert trainer <= last["time/trainer/uptime"] * 1.01
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 < summary["framework_overhead_fraction"] < 1 and summary["bound_by"] in ("inference", "trainer")
     assert "Where the time went" in (run_dir / "report.md").read_text()

@@ -3,13 +3,13 @@ import asyncio
 
 import pytest
 import torch
+from conftest import inference_server
 
 from asyncrl import weights
 from asyncrl.inference.client import InferenceClient, InferenceError
 from asyncrl.model import load_policy
 from asyncrl.trainer.step import collate, token_logprobs
 from asyncrl.trajectory import Trajectory
-from conftest import inference_server
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +154,19 @@ def test_pause_resume_abort(server):
     async def go(client):
         await client._call("POST", "/pause", "pause")
         pending = asyncio.create_task(client.complete([[1, 5, 6]], n=2, max_tokens=50, temperature=1.0))
-        await asyncio.sleep(0.3)
+        arrived = None
+
+        async def queued() -> bool:
+            nonlocal arrived
+            arrived = await client.stats()
+            return arrived["waiting"] + arrived["running"] >= 2
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await queued():  # the request reaches the paused server (however loaded the machine)
+            assert asyncio.get_running_loop().time() < deadline, arrived
+            await asyncio.sleep(0.02)
         assert not pending.done()  # paused: nothing is generated
-        stats = await client.stats()
+        stats = arrived
         await client._call("POST", "/abort", "abort")
         choices = await pending
         await client._call("POST", "/resume", "resume")

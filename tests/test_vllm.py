@@ -9,10 +9,10 @@ import json
 import os
 
 import pytest
+from conftest import job_config
 
 from asyncrl.launcher import train
 from asyncrl.trajectory import batch_path, read_batch
-from conftest import job_config
 
 VLLM_PYTHON = os.environ.get("ASYNCRL_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(
