@@ -109,7 +109,8 @@ def main() -> None:
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.launcher import check_inputs, prepare_run_dir, start_role, stop, wait_for_inference
+    from asyncrl.launcher import check_inputs, prepare_run_dir
+    from asyncrl.supervisor import start_role, stop, wait_for_inference
 
     torch.set_num_threads(1)
     cfg = load_config(overrides={
