@@ -14,7 +14,9 @@ HELPERS = str(Path(__file__))
 
 calc = import_object(str(Path(__file__).parents[1] / "examples/agents/calculator.py") + ":calc", "test")
 
-CONVERSATIONS: dict[str, list] = {}  # episode id -> the messages the agent sent last (for the tests to compare)
+CONVERSATIONS: dict[
+    str, list
+] = {}  # episode id -> the messages the agent sent last (for the tests to compare)
 RETURNED_IDS: dict[str, list[list[int]]] = {}  # episode id -> token ids each proxy response reported
 
 
@@ -115,8 +117,9 @@ async def bpe_turns_agent(task: dict, ctx):
     messages = [{"role": "user", "content": task["prompt"]}]
     returned = RETURNED_IDS.setdefault(ctx.episode_id, [])
     for turn in range(3):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=[calc.schema],
-                                                        max_tokens=6)
+        response = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[calc.schema], max_tokens=6
+        )
         returned.append(response.choices[0].model_extra["token_ids"])
         messages.append(response.choices[0].message)
         if turn == 0:
@@ -127,7 +130,8 @@ async def bpe_turns_agent(task: dict, ctx):
 
 @contextlib.asynccontextmanager
 async def agent_runner(server, agent: str, **overrides):
-    """An AgentRunner with its proxy, as the orchestrator runs it, for the agent `agent` of agents_for_tests."""
+    """An AgentRunner with its proxy, as the orchestrator runs it, for the agent `agent` of
+    agents_for_tests."""
     from conftest import job_config
     from transformers import AutoTokenizer
 
@@ -138,12 +142,22 @@ async def agent_runner(server, agent: str, **overrides):
     from asyncrl.rewards.pool import VerifierPool
 
     url, run_dir, model = server
-    settings = {"agent.path": f"{HELPERS}:{agent}", "agent.tool_parser": "compact", "agent.max_episode_tokens": 200,
-                "inference.max_prompt_tokens": 256, "rollout.max_tokens": 16, **overrides}
+    RETURNED_IDS.clear()  # episode ids repeat across runners; a test reads only its own runner's
+    CONVERSATIONS.clear()
+    settings = {
+        "agent.path": f"{HELPERS}:{agent}",
+        "agent.tool_parser": "compact",
+        "agent.max_episode_tokens": 200,
+        "inference.max_prompt_tokens": 256,
+        "rollout.max_tokens": 16,
+        **overrides,
+    }
     cfg = job_config(run_dir.parent, model, **settings)
     verifiers = VerifierPool(cfg.task, 1)
     async with InferenceClient(url, 30) as client:
-        runner = AgentRunner(cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator"))
+        runner = AgentRunner(
+            cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator")
+        )
         proxy, runner.proxy_url = await start_proxy(runner.sessions, "policy")
         try:
             yield runner, cfg, run_dir
