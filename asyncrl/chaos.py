@@ -67,4 +67,6 @@ class Chaos(threading.Thread):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it had just exited
                 continue
-            self.kills.append({"role": role, "pid": pid, "step": steps_recorded(self.run_dir), "time": time.time()})
+            self.kills.append(
+                {"role": role, "pid": pid, "step": steps_recorded(self.run_dir), "time": time.time()}
+            )

@@ -78,7 +78,9 @@ class CheckpointWriter:
             "trainer": _to_host({"step": step, "optimizer": optimizer.state_dict(),
                                  "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}),
         }
-        self.thread = threading.Thread(target=self._write, args=(step, snapshot), daemon=True, name="checkpoint")
+        self.thread = threading.Thread(
+            target=self._write, args=(step, snapshot), daemon=True, name="checkpoint"
+        )
         self.thread.start()
         return time.monotonic() - start
 

@@ -15,7 +15,8 @@ from asyncrl.config import ConfigError, load_config
 
 
 def _take(args: list[str], flag: str, has_value: bool) -> str | bool | None:
-    """Remove `flag` (and its value, `--flag v` or `--flag=v`) from args; its value, True, or None when absent."""
+    """Remove `flag` (and its value, `--flag v` or `--flag=v`) from args; its value, True, or None when
+    absent."""
     for i, arg in enumerate(args):
         if has_value and arg.startswith(flag + "="):
             del args[i]
@@ -76,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             train(cfg)
         except Stopped as e:
-            print(f"\nasyncrl: {e}; the run directory is intact: asyncrl train --resume <run dir> continues it",
-                  file=sys.stderr)
+            print(
+                f"\nasyncrl: {e}; the run directory is intact: asyncrl train --resume <run dir> continues it",
+                file=sys.stderr,
+            )
             return 143
         except RunError as e:
             print(f"\nasyncrl: run failed: {e}", file=sys.stderr)

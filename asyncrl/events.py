@@ -21,4 +21,6 @@ class EventLog:
 
 def read_events(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )

@@ -45,7 +45,9 @@ def poll(check: Callable[[], T], seconds: float, what: str | Callable[[], str], 
     return result
 
 
-async def apoll(check: Callable[[], T], seconds: float, what: str | Callable[[], str], every: float = 0.05) -> T:
+async def apoll(
+    check: Callable[[], T], seconds: float, what: str | Callable[[], str], every: float = 0.05
+) -> T:
     """`poll` for an event loop: the loop goes on between checks."""
     start = time.monotonic()
     while not (result := check()):

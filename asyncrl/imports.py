@@ -23,7 +23,9 @@ def import_object(path: str, what: str) -> Any:
             return getattr(loaded, name)
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{what} = {path!r} cannot be imported as 'module:name' or 'file.py:name': {e}") from None
+        raise ConfigError(
+            f"{what} = {path!r} cannot be imported as 'module:name' or 'file.py:name': {e}"
+        ) from None
 
 
 def _load_file(file: Path):

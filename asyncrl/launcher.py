@@ -13,7 +13,6 @@ from pathlib import Path
 from asyncrl.config import (
     Config,
     ConfigError,
-    ModelConfig,
     config_changes,
     load_config,
     merge_config,
@@ -23,6 +22,7 @@ from asyncrl.config import (
 )
 from asyncrl.events import EventLog
 from asyncrl.progress import Progress
+from asyncrl.sections import ModelConfig
 from asyncrl.supervisor import RunError, Supervisor
 from asyncrl.threads import plan_threads
 
@@ -35,7 +35,8 @@ def prepare_run_dir(cfg: Config) -> Path:
     if run_dir.exists():
         if not cfg.run.overwrite:
             raise ConfigError(
-                f"run directory {run_dir} already exists; choose another --run.name or pass --run.overwrite true"
+                f"run directory {run_dir} already exists; choose another --run.name or pass "
+                "--run.overwrite true"
             )
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
@@ -57,7 +58,10 @@ def check_inputs(cfg: Config, log=print) -> None:
             log(f"{cfg.model.path} is missing: building the tiny policy first")
             warmstart(cfg, cfg.model.path, log=log)
         elif not is_current(cfg, cfg.model.path):
-            log(f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): building it again")
+            log(
+                f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): "
+                "building it again"
+            )
             warmstart(cfg, cfg.model.path, log=log)
     elif not Path(cfg.model.path).exists():
         _check_hub_model(cfg.model.path)
@@ -83,9 +87,19 @@ def _check_prompts(cfg: Config, log) -> None:
     held_out = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
     found = len(eval_entries(held_out, cfg.task.eval_size)) if held_out else cfg.task.eval_size
     if found < cfg.task.eval_size:
-        why = (f"task.holdout = {cfg.task.holdout} keeps few of a task with few distinct items apart (task.holdout = 0 "
-               "evaluates on the whole task instead)") if cfg.task.holdout else "the task has no more distinct items"
-        log(f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked (task.eval_size): {why}")
+        why = (
+            (
+                f"task.holdout = {cfg.task.holdout} keeps few of a task with few distinct items apart "
+                "(task.holdout = 0 "
+                "evaluates on the whole task instead)"
+            )
+            if cfg.task.holdout
+            else "the task has no more distinct items"
+        )
+        log(
+            f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked "
+            f"(task.eval_size): {why}"
+        )
 
 
 def _has_chat_template(model: Path) -> bool:
@@ -145,11 +159,17 @@ def train(cfg: Config, log=print) -> Path:
         log(f"threads: inference {plan['inference']}, trainer {plan['trainer']} (predicted seconds per step: "
             f"{plan['predicted_step_seconds']})")
         if cfg.rollout.max_staleness > 0 and not plan["overlap_pays"]:
-            log("threads: on this machine the roles alternating (max_staleness 0, each phase on its fastest thread "
-                "count) is predicted to be faster than overlapping them; asynchrony pays here only through stragglers")
-    log(f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples, "
+            log(
+                "threads: on this machine the roles alternating (max_staleness 0, each phase on its fastest "
+                "thread count) is predicted to be faster than overlapping them; asynchrony pays here only "
+                "through stragglers"
+            )
+    log(
+        f"run {run_dir}: {cfg.run.steps} steps x {cfg.rollout.prompts_per_step} prompts x "
+        f"{cfg.rollout.group_size} samples, "
         f"max_staleness {cfg.rollout.max_staleness}, objective {cfg.objective.name}, "
-        f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}")
+        f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}"
+    )
     return _run(cfg, run_dir, log)
 
 

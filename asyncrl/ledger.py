@@ -43,7 +43,8 @@ def ledger_path(run_dir: str | Path) -> Path:
 
 
 def batch_digest(sample_ids: list[str]) -> str:
-    """What the trainer and the ledger both compute for a batch: equal iff the same samples in the same order."""
+    """What the trainer and the ledger both compute for a batch: equal iff the same samples in the same
+    order."""
     return hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()
 
 
@@ -94,14 +95,21 @@ class Ledger:
                  (t.id, prompt_id, t.oldest_version, t.reward, t.to_json())) for t in group]
         rows += [("INSERT INTO samples VALUES (?, ?, 'dropped', NULL, NULL, NULL, NULL, ?, NULL)",
                   (sample_id, prompt_id, reason)) for sample_id, reason in dropped]
-        rows += [("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v))) for k, v in (meta or {}).items()]
+        rows += [
+            ("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, json.dumps(v))) for k, v in (meta or {}).items()
+        ]
         self._tx([*rows, ("UPDATE prompts SET state = 'finished' WHERE prompt_id = ?", (prompt_id,))])
 
     def next_prompt_id(self) -> int:
         return self._one("SELECT COALESCE(MAX(prompt_id) + 1, 0) FROM prompts")[0]
 
     def in_flight(self) -> list[int]:
-        return [r[0] for r in self.db.execute("SELECT prompt_id FROM prompts WHERE state = 'in_flight' ORDER BY prompt_id")]
+        return [
+            r[0]
+            for r in self.db.execute(
+                "SELECT prompt_id FROM prompts WHERE state = 'in_flight' ORDER BY prompt_id"
+            )
+        ]
 
     def live_groups(self) -> int:
         """Groups holding a staleness-gate slot: in flight, or with samples that will be trained."""
@@ -113,20 +121,40 @@ class Ledger:
     # --- samples and batches ------------------------------------------------------------
     def ready_groups(self) -> list[list[Trajectory]]:
         groups: dict[int, list[Trajectory]] = {}
-        for prompt_id, data in self.db.execute("SELECT prompt_id, data FROM samples WHERE state = 'ready' ORDER BY rowid"):
+        for prompt_id, data in self.db.execute(
+            "SELECT prompt_id, data FROM samples WHERE state = 'ready' ORDER BY rowid"
+        ):
             groups.setdefault(prompt_id, []).append(Trajectory.from_json(data))
         return list(groups.values())
 
     def drop_group(self, group: list[Trajectory], reason: str) -> None:
-        self._tx([("UPDATE samples SET state = 'dropped', reason = ? WHERE id = ? AND state = 'ready'", (reason, t.id))
-                  for t in group])
+        self._tx(
+            [
+                (
+                    "UPDATE samples SET state = 'dropped', reason = ? WHERE id = ? AND state = 'ready'",
+                    (reason, t.id),
+                )
+                for t in group
+            ]
+        )
 
     def batch(self, step: int, trajs: list[Trajectory], stats: dict) -> str:
         """Batch `step` is these samples, in this order; returns its digest."""
         digest = batch_digest([t.id for t in trajs])
-        rows = [("UPDATE samples SET state = 'batched', step = ?, position = ? WHERE id = ? AND state = 'ready'",
-                 (step, i, t.id)) for i, t in enumerate(trajs)]
-        self._tx([*rows, ("INSERT INTO steps VALUES (?, 'batched', ?, ?, NULL)", (step, digest, json.dumps(stats)))])
+        rows = [
+            (
+                "UPDATE samples SET state = 'batched', step = ?, position = ? "
+                "WHERE id = ? AND state = 'ready'",
+                (step, i, t.id),
+            )
+            for i, t in enumerate(trajs)
+        ]
+        self._tx(
+            [
+                *rows,
+                ("INSERT INTO steps VALUES (?, 'batched', ?, ?, NULL)", (step, digest, json.dumps(stats))),
+            ]
+        )
         return digest
 
     def batched_steps(self) -> list[int]:
@@ -146,7 +174,10 @@ class Ledger:
             self.db.execute("BEGIN IMMEDIATE")
             n = self.db.execute("UPDATE samples SET state = 'committed' WHERE state = 'batched' AND step < ?",
                                 (checkpoint_step,)).rowcount
-            self.db.execute("UPDATE steps SET state = 'committed' WHERE state = 'batched' AND step < ?", (checkpoint_step,))
+            self.db.execute(
+                "UPDATE steps SET state = 'committed' WHERE state = 'batched' AND step < ?",
+                (checkpoint_step,),
+            )
         return n
 
     # --- metrics ------------------------------------------------------------------------
@@ -156,13 +187,21 @@ class Ledger:
                   ("INSERT OR REPLACE INTO meta VALUES ('served_version', ?)", (json.dumps(version),))])
 
     def record_eval(self, record: dict) -> None:
-        self._tx([("INSERT OR REPLACE INTO evals VALUES (?, ?)", (record["eval_version"], json.dumps(record)))])
+        self._tx(
+            [("INSERT OR REPLACE INTO evals VALUES (?, ?)", (record["eval_version"], json.dumps(record)))]
+        )
 
     def metrics(self) -> list[dict]:
-        """metrics.jsonl's lines, in order: each recorded step, and each evaluation after the step it follows."""
-        steps = [json.loads(r[0]) for r in self.db.execute("SELECT metrics FROM steps WHERE metrics IS NOT NULL ORDER BY step")]
+        """metrics.jsonl's lines, in order: each recorded step, and each evaluation after the step it
+        follows."""
+        steps = [
+            json.loads(r[0])
+            for r in self.db.execute("SELECT metrics FROM steps WHERE metrics IS NOT NULL ORDER BY step")
+        ]
         evals = [json.loads(r[0]) for r in self.db.execute("SELECT record FROM evals ORDER BY version")]
-        return sorted(steps + evals, key=lambda r: (r.get("version", r.get("eval_version")), "eval_version" in r))
+        return sorted(
+            steps + evals, key=lambda r: (r.get("version", r.get("eval_version")), "eval_version" in r)
+        )
 
 
 def audit(run_dir: str | Path, max_staleness: int) -> dict:
@@ -170,8 +209,12 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
     db = sqlite3.connect(f"file:{ledger_path(run_dir)}?mode=ro", uri=True)
     count = lambda sql, args=(): db.execute(sql, args).fetchone()[0]  # noqa: E731
     states = dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
-    reasons = dict(db.execute("SELECT reason, COUNT(*) FROM samples WHERE state = 'dropped' GROUP BY reason").fetchall())
-    prompt_reasons = dict(db.execute("SELECT reason, COUNT(*) FROM prompts WHERE state = 'dropped' GROUP BY reason").fetchall())
+    reasons = dict(
+        db.execute("SELECT reason, COUNT(*) FROM samples WHERE state = 'dropped' GROUP BY reason").fetchall()
+    )
+    prompt_reasons = dict(
+        db.execute("SELECT reason, COUNT(*) FROM prompts WHERE state = 'dropped' GROUP BY reason").fetchall()
+    )
     out = {
         "prompts": count("SELECT COUNT(*) FROM prompts"),
         "prompts_in_flight": count("SELECT COUNT(*) FROM prompts WHERE state = 'in_flight'"),
@@ -191,7 +234,9 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
     holes = count("SELECT MAX(prompt_id) + 1 - COUNT(*) FROM prompts") or 0
     if holes:
         problems.append(f"{holes} prompt ids between 0 and the cursor were never dispatched")
-    stale = count("SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND step - oldest_version > ?", (max_staleness,))
+    stale = count(
+        "SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND step - oldest_version > ?", (max_staleness,)
+    )
     if stale:
         problems.append(f"{stale} trained samples exceed max_staleness = {max_staleness}")
     for step, digest in db.execute("SELECT step, digest FROM steps").fetchall():

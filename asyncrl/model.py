@@ -65,15 +65,18 @@ CHATML_TEMPLATE = (  # (HF renders with trim_blocks: a newline right after a tag
     "{% if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
     "# Tools\nYou may call functions. Their signatures:\n<tools>"
     "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
-    "Call one as <tool_call>\n{\"name\": <name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>{{ '\\n' }}"
-    "{% elif messages and messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ '\\n' }}"
+    'Call one as <tool_call>\n{"name": <name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>{{ '\\n' }}"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ '\\n' }}"
     "{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}{% if loop.first and m.content %}{{ '\\n' }}{% endif %}<tool_call>\n"
-    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
     "{% endfor %}<|im_end|>{{ '\\n' }}"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>{{ '\\n' }}"
+    "{% elif m.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>{{ '\\n' }}"
     "{% elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{{ '\\n' }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -103,7 +106,8 @@ def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512):
 
 def chatml_corpus(texts: Iterable[str], weight: int = 200) -> Iterable[str]:
     """`texts` and the chat template's literal text (`weight` times: it is in every conversation), so that
-    its words and markers (`assistant`, `<tool_call>`) get merges of their own, as in a real LLM's vocabulary."""
+    its words and markers (`assistant`, `<tool_call>`) get merges of their own, as in a real LLM's
+    vocabulary."""
     glue = [piece for piece in re.split(r"\{[{%].*?[%}]\}", CHATML_TEMPLATE) if piece.strip()]
     yield from glue * weight
     yield from texts

@@ -40,8 +40,16 @@ class Progress:
     def show(self) -> None:
         s = self.step
         ev = f" | eval {self.eval['eval_accuracy']:.1%}@v{self.eval['eval_version']}" if self.eval else ""
-        line = (f"step {s['step'] + 1}/{self.steps} | reward {s.get('reward', 0):.3f} | acc {s.get('accuracy', 0):.1%}{ev}"
-                f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
-                f" | gen {s['gen_tokens_per_s']:.0f} tok/s | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
-                f" | {s['time']:.0f}s")
-        print(("\r" + line.ljust(120)) if self.tty else line, end="" if self.tty else "\n", file=self.out, flush=True)
+        line = (
+            f"step {s['step'] + 1}/{self.steps} | reward {s.get('reward', 0):.3f} "
+            f"| acc {s.get('accuracy', 0):.1%}{ev}"
+            f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
+            f" | gen {s['gen_tokens_per_s']:.0f} tok/s | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
+            f" | {s['time']:.0f}s"
+        )
+        print(
+            ("\r" + line.ljust(120)) if self.tty else line,
+            end="" if self.tty else "\n",
+            file=self.out,
+            flush=True,
+        )

@@ -41,8 +41,16 @@ def summarize(steps: list[dict], evals: list[dict]) -> dict:
         "dropped_stale_groups": sum(r.get("dropped_stale_groups", 0) for r in steps),
         "gen_tokens_per_s": round(mean(steps, "gen_tokens_per_s"), 1),
         "train_tokens_per_s": round(mean(steps, "train_tokens_per_s"), 1),
-        "trainer_busy_fraction": round(last["trainer_busy_seconds"] / max(last["trainer_busy_seconds"] + last["trainer_idle_seconds"], 1e-9), 3),
-        "inference_busy_fraction": round(last["inference_busy_seconds"] / max(last["inference_busy_seconds"] + last["inference_idle_seconds"], 1e-9), 3),
+        "trainer_busy_fraction": round(
+            last["trainer_busy_seconds"]
+            / max(last["trainer_busy_seconds"] + last["trainer_idle_seconds"], 1e-9),
+            3,
+        ),
+        "inference_busy_fraction": round(
+            last["inference_busy_seconds"]
+            / max(last["inference_busy_seconds"] + last["inference_idle_seconds"], 1e-9),
+            3,
+        ),
         **profile_summary(profile(last)),
     }
 
@@ -118,7 +126,10 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     ax = axes[0]
     rewards = [r["reward"] for r in steps]
     window = max(1, len(steps) // 20)
-    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     ax.plot(t, rewards, label="train reward (per step)", alpha=0.25)
     ax.plot(t, smooth, label=f"train reward ({window}-step mean)")
     heading = "reward vs time"
@@ -126,9 +137,16 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
         evals = sorted(evals, key=lambda e: e["eval_version"])
         ax.plot([e["time"] for e in evals], [e["eval_accuracy"] for e in evals], "o-", lw=2.5, color="black",
                 label="held-out greedy accuracy")
-        heading = f"held-out greedy accuracy {evals[0]['eval_accuracy']:.0%} → {evals[-1]['eval_accuracy']:.0%}"
+        heading = (
+            f"held-out greedy accuracy {evals[0]['eval_accuracy']:.0%} → {evals[-1]['eval_accuracy']:.0%}"
+        )
     low = min(0.0, min(rewards))  # on one scale from 0, so a rise is seen at a glance, not zoomed into
-    ax.set(xlabel="wall time (s)", ylabel="reward / accuracy", title=heading, ylim=(low, max(1.0, max(rewards)) * 1.02))
+    ax.set(
+        xlabel="wall time (s)",
+        ylabel="reward / accuracy",
+        title=heading,
+        ylim=(low, max(1.0, max(rewards)) * 1.02),
+    )
     ax.legend(loc="lower right")
     ax = axes[1]
     x = [r["step"] for r in steps]
@@ -155,8 +173,12 @@ def table(summary: dict) -> str:
 
 
 def profile_table(roles: dict[str, dict[str, float]]) -> str:
-    rows = "\n".join(f"| {role} | " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
-                     + " |" for role, phases in roles.items())
+    rows = "\n".join(
+        f"| {role} | "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+        + " |"
+        for role, phases in roles.items()
+    )
     return f"| role | phases, largest first |\n|---|---|\n{rows}\n"
 
 
@@ -166,10 +188,14 @@ def write_report(run_dir: str | Path) -> dict:
     summary = summarize(steps, evals)
     if (run_dir / "config.json").exists():  # the threads each role ran with (planned or set)
         cfg = read_run_config(run_dir)
-        summary["threads"] = f"inference {cfg.role_threads('inference')} / trainer {cfg.role_threads('trainer')}"
+        summary["threads"] = (
+            f"inference {cfg.role_threads('inference')} / trainer {cfg.role_threads('trainer')}"
+        )
     if steps:
         plot(steps, evals, run_dir / "report.png", f"asyncrl run {run_dir.name}")
     roles = profile(steps[-1]) if steps else {}
-    (run_dir / "report.md").write_text(f"# Run {run_dir.name}\n\n![curves](report.png)\n\n{table(summary)}"
-                                       + (f"\n## Where the time went (seconds)\n\n{profile_table(roles)}" if roles else ""))
+    (run_dir / "report.md").write_text(
+        f"# Run {run_dir.name}\n\n![curves](report.png)\n\n{table(summary)}"
+        + (f"\n## Where the time went (seconds)\n\n{profile_table(roles)}" if roles else "")
+    )
     return summary

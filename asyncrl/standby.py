@@ -42,7 +42,9 @@ def main(run_dir: str) -> None:
         return
     order = json.loads(line)
     os.environ.update(order["env"])
-    log = os.open(Path(run_dir) / "logs" / f"{order['role']}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = os.open(
+        Path(run_dir) / "logs" / f"{order['role']}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+    )
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.argv = [ROLES[order["role"]], run_dir]

@@ -55,11 +55,17 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subpr
            "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
            "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
            "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               OMP_NUM_THREADS=str(threads))
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        OMP_NUM_THREADS=str(threads),
+    )
     log = open(run_dir / "logs" / "inference.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    (run_dir / "inference.json").write_text(json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
+    (run_dir / "inference.json").write_text(
+        json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"})
+    )
     return proc
 
 
@@ -88,13 +94,17 @@ def wait_for_inference(proc: subprocess.Popen, run_dir: Path, deadline: float) -
 
     def started() -> bool:
         if proc.poll() is not None:
-            raise RunError(f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}")
+            raise RunError(
+                f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}"
+            )
         return (run_dir / "inference.json").exists()
 
     try:
         poll(started, deadline, "")
     except TimeoutError:
-        raise RunError(f"the inference server did not start within {deadline:.0f}s (timeouts.startup); see {log}") from None
+        raise RunError(
+            f"the inference server did not start within {deadline:.0f}s (timeouts.startup); see {log}"
+        ) from None
 
 
 class Supervisor:
@@ -120,7 +130,10 @@ class Supervisor:
         if role == "inference" and self.cfg.inference.engine == "vllm":
             self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, int(env["ASYNCRL_INFERENCE_PORT"]))
         elif self.spare is not None and self.spare.poll() is None:
-            order = {"role": role, "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+            order = {
+                "role": role,
+                "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+            }
             self.spare.stdin.write(json.dumps(order) + "\n")
             self.spare.stdin.close()
             self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
@@ -131,7 +144,8 @@ class Supervisor:
         write_atomic(self.run_dir / "pids.json", json.dumps(pids))
 
     def start_all(self) -> None:
-        (self.run_dir / "inference.json").unlink(missing_ok=True)  # (from an earlier launch) written anew once bound
+        # (from an earlier launch) written anew once bound
+        (self.run_dir / "inference.json").unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
         self.start("inference")
         wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
@@ -139,20 +153,35 @@ class Supervisor:
         self.start("orchestrator")
 
     def _start_spare_when_settled(self) -> None:
-        """A spare importing torch slows every role's start on a small machine: it waits for their first beats."""
-        if self.spare is not None and self.spare.poll() is not None:  # it died on its own: go cold from now on
-            self.log(f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
-                     "restarts will start cold")
+        """A spare importing torch slows every role's start on a small machine: it waits for their first
+        beats."""
+        if (
+            self.spare is not None and self.spare.poll() is not None
+        ):  # it died on its own: go cold from now on
+            self.log(
+                f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
+                "restarts will start cold"
+            )
             self.spare, self.spare_failed = None, True
         beating = [r for r in self.procs if not (r == "inference" and self.cfg.inference.engine == "vllm")]
         wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
                                                          and any(self.restarts.values()))
-        if wanted and not self.spare_failed and self.spare is None and all(heartbeat.age(self.run_dir, r) is not None
-                                                                   for r in beating):
+        if (
+            wanted
+            and not self.spare_failed
+            and self.spare is None
+            and all(heartbeat.age(self.run_dir, r) is not None for r in beating)
+        ):
             log = open(self.run_dir / "logs" / "standby.log", "a")
-            self.spare = subprocess.Popen([sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
-                                          stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                          env=role_env(1), start_new_session=True)
+            self.spare = subprocess.Popen(
+                [sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=role_env(1),
+                start_new_session=True,
+            )
 
     def finished(self) -> bool:
         """Check every role once; True when the trainer and the orchestrator have both completed."""
@@ -170,14 +199,23 @@ class Supervisor:
         return all(self.procs[r].poll() == 0 for r in ("trainer", "orchestrator"))
 
     def _stuck(self, role: str) -> str | None:
-        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for timeouts.heartbeat."""
+        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for
+        timeouts.heartbeat."""
         if role == "inference" and self.cfg.inference.engine == "vllm":
             return None  # vLLM beats no file of ours; its process and /health are what we have
         silent = heartbeat.age(self.run_dir, role)
         if silent is None:
             waited = time.monotonic() - self.started[role]
-            return f"did not start within {waited:.0f}s (timeouts.startup); killed" if waited > self.cfg.timeouts.startup else None
-        return f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed" if silent > self.cfg.timeouts.heartbeat else None
+            return (
+                f"did not start within {waited:.0f}s (timeouts.startup); killed"
+                if waited > self.cfg.timeouts.startup
+                else None
+            )
+        return (
+            f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed"
+            if silent > self.cfg.timeouts.heartbeat
+            else None
+        )
 
     def _restart(self, role: str, why: str) -> None:
         log = self.run_dir / "logs" / f"{role}.log"
@@ -186,7 +224,9 @@ class Supervisor:
             raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
                            f"last lines of {log}:\n{tail(log)}")
         self.restarts[role] += 1
-        self.log(f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})")
+        self.log(
+            f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})"
+        )
         self.events.write("role_restarted", target=role, why=why, restart=self.restarts[role])
         heartbeat.heartbeat_file(self.run_dir, role).unlink(missing_ok=True)
         self.start(role)

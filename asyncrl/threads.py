@@ -71,11 +71,21 @@ def _best_of(call):
 def _trajectories(prompts, samples, group_size: int):
     from asyncrl.trajectory import Trajectory
 
-    return [Trajectory(id=str(i), group_id=str(i // group_size), task="plan", prompt_id=i // group_size,
-                       tokens=p + s.token_ids, loss_mask=[0] * len(p) + [1] * len(s.token_ids),
-                       logprobs=[0.0] * len(p) + s.logprobs, versions=[-1] * len(p) + [0] * len(s.token_ids),
-                       reward=float(i % 2), advantages=[0.0] * len(p) + [1.0 - 2 * (i % 2)] * len(s.token_ids))
-            for i, (p, s) in enumerate(zip(prompts, samples))]
+    return [
+        Trajectory(
+            id=str(i),
+            group_id=str(i // group_size),
+            task="plan",
+            prompt_id=i // group_size,
+            tokens=p + s.token_ids,
+            loss_mask=[0] * len(p) + [1] * len(s.token_ids),
+            logprobs=[0.0] * len(p) + s.logprobs,
+            versions=[-1] * len(p) + [0] * len(s.token_ids),
+            reward=float(i % 2),
+            advantages=[0.0] * len(p) + [1.0 - 2 * (i % 2)] * len(s.token_ids),
+        )
+        for i, (p, s) in enumerate(zip(prompts, samples))
+    ]
 
 
 def _time_training(cfg, model, pad_id: int, trajs) -> float:
@@ -99,7 +109,9 @@ def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dic
     them, which need not be all cores: tiny decode steps run slower on two threads than on one.
     Overlapping roles split the cores and the slower of the two bounds a step."""
     fastest = {phase: min(rates, key=lambda n: rates[n][phase]) for phase in ("generate", "train")}
-    splits = {f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)}
+    splits = {
+        f"{g}/{cores - g}": max(rates[g]["generate"], rates[cores - g]["train"]) for g in range(1, cores)
+    }
     alternate = rates[fastest["generate"]]["generate"] + rates[fastest["train"]]["train"]
     if overlap and splits:
         best = min(splits, key=splits.get)
@@ -134,15 +146,22 @@ def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         save_config(cfg, tmp)
         try:
-            out = subprocess.run([sys.executable, "-m", "asyncrl.threads", str(tmp)], capture_output=True, text=True,
-                                 timeout=cfg.timeouts.startup, env=role_env(os.cpu_count() or 1))
+            out = subprocess.run(
+                [sys.executable, "-m", "asyncrl.threads", str(tmp)],
+                capture_output=True,
+                text=True,
+                timeout=cfg.timeouts.startup,
+                env=role_env(os.cpu_count() or 1),
+            )
             plan = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             out, plan = None, None
         finally:
             tmp.unlink(missing_ok=True)
         if plan is None:
-            why = "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
+            why = (
+                "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
+            )
             log(f"planning threads failed; using the static split: {why}")
             return cfg, None
         _cache_plan(cfg, plan)
@@ -158,9 +177,25 @@ def _plan_key(cfg: Config) -> str:
     model = Path(cfg.model.path)
     stamp = max((p.stat().st_mtime for p in model.glob("*.safetensors")), default=0) if model.is_dir() else 0
     t, ro = cfg.task, cfg.rollout  # what the measured step's cost depends on
-    shape = [cfg.model.path, stamp, t.name, t.path, t.params, t.prompt_format, [m.model_dump(mode="json") for m in t.mix],
-             ro.prompts_per_step, ro.group_size, ro.max_tokens, ro.temperature, cfg.objective.name, cfg.objective.prox,
-             ro.max_staleness > 0, cfg.trainer.minibatches, cfg.inference.dtype, os.cpu_count()]
+    shape = [
+        cfg.model.path,
+        stamp,
+        t.name,
+        t.path,
+        t.params,
+        t.prompt_format,
+        [m.model_dump(mode="json") for m in t.mix],
+        ro.prompts_per_step,
+        ro.group_size,
+        ro.max_tokens,
+        ro.temperature,
+        cfg.objective.name,
+        cfg.objective.prox,
+        ro.max_staleness > 0,
+        cfg.trainer.minibatches,
+        cfg.inference.dtype,
+        os.cpu_count(),
+    ]
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -25,7 +25,9 @@ from asyncrl.rewards.tasks import BadTaskRow, TaskSource, eval_entries, load_tas
 CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
 
 
-def _task_example(tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random) -> tuple[list[int], list[int]]:
+def _task_example(
+    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random
+) -> tuple[list[int], list[int]]:
     """(prompt + answer + eos ids, labels only on the answer and eos)."""
     entry = tasks.item(index)
     prompt = tasks.prompt_ids(entry, tokenizer)
@@ -97,7 +99,8 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 
 
 def recipe(cfg: Config) -> dict:
-    """What a warm-started policy is a function of: the launcher rebuilds the default policy when it changes."""
+    """What a warm-started policy is a function of: the launcher rebuilds the default policy when it
+    changes."""
     return cfg.model_dump(mode="json", include={
         "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"},
         "task": {"name", "params", "prompt_format", "chat", "holdout", "seed"}})
@@ -132,7 +135,9 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
     teacher = _teacher(ws)
     tokenizer = build_tokenizer(cfg, train_tasks, demos)
-    model = build_tiny_model(tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads)
+    model = build_tiny_model(
+        tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads
+    )
     n_params = sum(p.numel() for p in model.parameters())
     renderer = Renderer(tokenizer)
 
@@ -146,8 +151,11 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
                 continue
 
     source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
-    log(f"warmstart: {n_params / 1e6:.2f}M-parameter {ws.architecture}, {ws.tokenizer} tokenizer of {len(tokenizer)} "
-        f"tokens, {ws.steps} steps of supervised training on {source}")
+    log(
+        f"warmstart: {n_params / 1e6:.2f}M-parameter {ws.architecture}, "
+        f"{ws.tokenizer} tokenizer of {len(tokenizer)} "
+        f"tokens, {ws.steps} steps of supervised training on {source}"
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, ws.steps, ws.warmup_steps))
     start, step, loss_value = time.monotonic(), 0, float("nan")
@@ -166,11 +174,17 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
             log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
     model.eval()
     if step < ws.steps:  # a slow or busy machine: the policy may not have learned what the recipe needs
-        log(f"\nwarmstart: stopped at step {step} of {ws.steps} by warmstart.max_seconds = {ws.max_seconds:.0f}; "
-            "the policy may be undertrained (is another job using the cores?)")
+        log(
+            f"\nwarmstart: stopped at step {step} of {ws.steps} by "
+            f"warmstart.max_seconds = {ws.max_seconds:.0f}; "
+            "the policy may be undertrained (is another job using the cores?)"
+        )
     # an agent task's accuracy needs its agent: the run's first evaluation measures it
-    accuracy = float("nan") if demos else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200,
-                                                               cfg.rollout.max_tokens)
+    accuracy = (
+        float("nan")
+        if demos
+        else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200, cfg.rollout.max_tokens)
+    )
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,
                "tokenizer": ws.tokenizer, "vocab": len(tokenizer), "architecture": ws.architecture,

@@ -60,6 +60,17 @@ def publish(run_dir: str | Path, version: int, state: dict[str, torch.Tensor], m
     return digest
 
 
+def load_request(run_dir: str | Path, version: int, marker: dict | None = None, patch: bool = True) -> dict:
+    """The /update_weights body for `version`: its file, its hash as served (the serving dtype's, when it
+    differs from the trainer's) and, if one was published and `patch`, the sparse patch from version − 1."""
+    marker = marker or read_marker(run_dir, version)
+    body = {"path": str(weights_file(run_dir, version)), "version": version,
+            "hash": marker.get("serving_hash", marker["hash"])}
+    if patch and patch_file(run_dir, version).exists():
+        body.update(patch=str(patch_file(run_dir, version)), base_version=version - 1)
+    return body
+
+
 def read_marker(run_dir: str | Path, version: int) -> dict | None:
     path = marker_file(run_dir, version)
     return json.loads(path.read_text()) if path.exists() else None
@@ -84,7 +95,9 @@ def patch_file(run_dir: str | Path, version: int) -> Path:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit pattern, so that equality is exact (nan, −0.0) and not numeric."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -64,8 +64,12 @@ async def measure(cfg, url: str, mode: str, episodes: int) -> dict:
                              EventLog(cfg.run_dir, "bench"))
         before = await client.stats()
         start = time.monotonic()
-        outcomes = await asyncio.gather(*(runner.episode({"prompt": f"{i % 90 + 10}+{i % 7}=", "index": i}, str(i), i)
-                                          for i in range(episodes)))
+        outcomes = await asyncio.gather(
+            *(
+                runner.episode({"prompt": f"{i % 90 + 10}+{i % 7}=", "index": i}, str(i), i)
+                for i in range(episodes)
+            )
+        )
         wall = time.monotonic() - start
         after = await client.stats()
     failed = sum(o.failure is not None for o in outcomes)
@@ -87,7 +91,10 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, key, label in ((axes[0], "episodes_per_s", "episodes / s"),
                            (axes[1], "busy_fraction", "generation server busy fraction")):
         for k, mode in enumerate(("batch", "queue")):
-            values = [next(r[key] for r in results if r["mode"] == mode and r["latency_ms"] == lat) for lat in latencies]
+            values = [
+                next(r[key] for r in results if r["mode"] == mode and r["latency_ms"] == lat)
+                for lat in latencies
+            ]
             ax.bar([i + 0.4 * k for i in range(len(latencies))], values, width=0.4,
                    label="synchronous batches" if mode == "batch" else "asynchronous (queue)")
         ax.set_xticks([i + 0.2 for i in range(len(latencies))], [f"{lat} ms" for lat in latencies])
@@ -133,8 +140,11 @@ def main() -> None:
                 row = {"latency_ms": latency, "concurrency": args.concurrency,
                        **asyncio.run(measure(cfg, url, mode, args.episodes))}
                 results.append(row)
-                print(f"latency {latency:4d} ms  {mode:5s}  {row['episodes_per_s']:6.2f} episodes/s  "
-                      f"busy {row['busy_fraction']:.2f}  ({row['wall_s']:.1f} s, {row['failed']} failed)", flush=True)
+                print(
+                    f"latency {latency:4d} ms  {mode:5s}  {row['episodes_per_s']:6.2f} episodes/s  "
+                    f"busy {row['busy_fraction']:.2f}  ({row['wall_s']:.1f} s, {row['failed']} failed)",
+                    flush=True,
+                )
     finally:
         stop({"inference": server})
     for latency in sorted({r["latency_ms"] for r in results}):

@@ -38,15 +38,27 @@ def run_seed(seed: int, config: str | None, extra: list[str], root: Path, rebuil
     steps, evals = read_metrics(run_dir)
     evals = sorted(evals, key=lambda e: e["eval_version"])
     first, last = evals[0], evals[-1]
-    row = {"seed": seed, "warmstart_seconds": built["seconds"], "warmstart_steps": built["steps"],
-           "start": first["eval_accuracy"], "final": last["eval_accuracy"],
-           "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4), "best": max(e["eval_accuracy"] for e in evals),
-           "eval_items": last.get("eval_items"), "rl_seconds": round(steps[-1]["time"], 1),
-           "wall_seconds": round(wall, 1), "steps": len(steps), "reward_first_20pct": summary["reward_first_20pct"],
-           "reward_last_20pct": summary["reward_last_20pct"],
-           "curve": [(e["time"], e["eval_version"], e["eval_accuracy"]) for e in evals]}
-    print(f"seed {seed}: {row['start']:.1%} -> {row['final']:.1%} ({row['gain']:+.1%}) in {row['rl_seconds']:.0f} s of RL",
-          flush=True)
+    row = {
+        "seed": seed,
+        "warmstart_seconds": built["seconds"],
+        "warmstart_steps": built["steps"],
+        "start": first["eval_accuracy"],
+        "final": last["eval_accuracy"],
+        "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4),
+        "best": max(e["eval_accuracy"] for e in evals),
+        "eval_items": last.get("eval_items"),
+        "rl_seconds": round(steps[-1]["time"], 1),
+        "wall_seconds": round(wall, 1),
+        "steps": len(steps),
+        "reward_first_20pct": summary["reward_first_20pct"],
+        "reward_last_20pct": summary["reward_last_20pct"],
+        "curve": [(e["time"], e["eval_version"], e["eval_accuracy"]) for e in evals],
+    }
+    print(
+        f"seed {seed}: {row['start']:.1%} -> {row['final']:.1%} ({row['gain']:+.1%}) "
+        f"in {row['rl_seconds']:.0f} s of RL",
+        flush=True,
+    )
     return row
 
 
@@ -70,17 +82,28 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| seed | warm start (s) | start | final | gain | best | RL seconds | steps |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['seed']} | {r['warmstart_seconds']:.0f} | {r['start']:.1%} | {r['final']:.1%} | {r['gain']:+.1%} "
-              f"| {r['best']:.1%} | {r['rl_seconds']:.0f} | {r['steps']} |" for r in rows]
+    lines = [
+        "| seed | warm start (s) | start | final | gain | best | RL seconds | steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['seed']} | {r['warmstart_seconds']:.0f} | {r['start']:.1%} | {r['final']:.1%} "
+        f"| {r['gain']:+.1%} "
+        f"| {r['best']:.1%} | {r['rl_seconds']:.0f} | {r['steps']} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--config", default=None, help="a TOML recipe (default: the built-in defaults)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. trainer.lr=1e-4")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. trainer.lr=1e-4"
+    )
     parser.add_argument("--root", default="runs/default_recipe", help="models and runs go here")
     parser.add_argument("--rebuild", action="store_true", help="warm-start again even where a model exists")
     parser.add_argument("--out", default=str(RESULTS / "default_recipe"))
@@ -89,7 +112,9 @@ def main() -> None:
     rows = [run_seed(seed, args.config, extra, Path(args.root), args.rebuild) for seed in args.seeds]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"config": args.config, "overrides": args.set, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"config": args.config, "overrides": args.set, "rows": rows}, indent=1)
+    )
     plot(rows, out.with_suffix(".png"))
     print(table(rows))
 

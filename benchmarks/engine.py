@@ -86,7 +86,12 @@ def vllm_rate(python: str, model_dir: str, ps, lengths, threads: int) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
     port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
     log = open(OUT / f"vllm_{Path(model_dir).name}.log", "w")
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
@@ -151,18 +156,31 @@ def main() -> None:
             torch.set_num_threads(2)
             row["hf_generate_2threads"] = hf_generate(model, tok, ps, lengths)
             torch.set_num_threads(args.threads)
-            row["vllm"] = vllm_rate(args.vllm_python, model_dir, ps, lengths, args.threads) if args.vllm_python else None
+            row["vllm"] = (
+                vllm_rate(args.vllm_python, model_dir, ps, lengths, args.threads)
+                if args.vllm_python
+                else None
+            )
             results.append(row)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"\ngenerated tokens/s ({args.threads} thread(s) unless noted; useful tokens only)\n")
-    print("| model | workload | asyncrl | HF generate | HF generate (2 threads) | vLLM-CPU | asyncrl / generate | asyncrl / vLLM |")
+    print(
+        "| model | workload | asyncrl | HF generate | HF generate (2 threads) | vLLM-CPU "
+        "| asyncrl / generate | asyncrl / vLLM |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         v = f"{r['vllm']:.0f}" if r["vllm"] else "not measured"
         ratio_v = f"{r['asyncrl'] / r['vllm']:.2f}x" if r["vllm"] else "–"
-        print(f"| {r['model']} | {r['workload']} | {r['asyncrl']:.0f} | {r['hf_generate']:.0f} | {r['hf_generate_2threads']:.0f} "
-              f"| {v} | {r['asyncrl'] / r['hf_generate']:.2f}x | {ratio_v} |")
+        print(
+            f"| {r['model']} | {r['workload']} | {r['asyncrl']:.0f} | {r['hf_generate']:.0f} "
+            f"| {r['hf_generate_2threads']:.0f} "
+            f"| {v} | {r['asyncrl'] / r['hf_generate']:.2f}x | {ratio_v} |"
+        )
     (OUT / "engine.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "engine.png")
 
@@ -177,8 +195,15 @@ def plot(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.2
     for k, system in enumerate(systems):
-        ax.bar([i + k * width for i in range(len(results))], [r[system] or 0 for r in results], width, label=system)
-    ax.set_xticks([i + 1.5 * width for i in range(len(results))], [f"{r['model']}\n{r['workload']}" for r in results])
+        ax.bar(
+            [i + k * width for i in range(len(results))],
+            [r[system] or 0 for r in results],
+            width,
+            label=system,
+        )
+    ax.set_xticks(
+        [i + 1.5 * width for i in range(len(results))], [f"{r['model']}\n{r['workload']}" for r in results]
+    )
     ax.set(ylabel="generated tokens/s", title="generation throughput, same prompts and sampling")
     ax.legend()
     fig.tight_layout()

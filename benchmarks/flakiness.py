@@ -24,18 +24,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 # the tests whose outcome depends on learning, timing, a race or a random seed
-DEFAULT_TESTS = ["tests/test_e2e.py", "tests/test_recovery.py", "tests/test_agents.py", "tests/test_tokens.py",
-                 "tests/test_server.py", "tests/test_bad_input.py"]
+DEFAULT_TESTS = [
+    "tests/test_e2e.py",
+    "tests/test_recovery.py",
+    "tests/test_agents.py",
+    "tests/test_tokens.py",
+    "tests/test_server.py",
+    "tests/test_bad_input.py",
+]
 
 
 def build_models(workdir: Path) -> dict[str, str]:
     """The session fixtures' policies, built once in a process of their own."""
-    code = ("import sys; sys.path.insert(0, 'tests'); import conftest; from asyncrl.config import load_config; "
-            "from asyncrl.warmstart import warmstart; "
-            f"warmstart(load_config(), '{workdir}/tiny', log=lambda *a, **k: None); "
-            "cfg = load_config(overrides={'warmstart': {'demos': 'examples/agents/calculator.py:demos', 'steps': 300, "
-            "'batch_size': 32, 'hidden_size': 64, 'layers': 2, 'lr': 3e-3, **conftest.CHAR_POLICY}}); "
-            f"warmstart(cfg, '{workdir}/calc', log=lambda *a, **k: None)")
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import conftest; from asyncrl.config import load_config; "
+        "from asyncrl.warmstart import warmstart; "
+        f"warmstart(load_config(), '{workdir}/tiny', log=lambda *a, **k: None); "
+        "cfg = load_config(overrides={'warmstart': {'demos': 'examples/agents/calculator.py:demos', "
+        "'steps': 300, "
+        "'batch_size': 32, 'hidden_size': 64, 'layers': 2, 'lr': 3e-3, **conftest.CHAR_POLICY}}); "
+        f"warmstart(cfg, '{workdir}/calc', log=lambda *a, **k: None)"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     return {"ASYNCRL_TEST_MODEL": f"{workdir}/tiny", "ASYNCRL_TEST_CALC_MODEL": f"{workdir}/calc"}
 
@@ -76,22 +85,42 @@ def spread(records: list[dict]) -> list[dict]:
         std = statistics.stdev(values) if len(values) > 1 else 0.0
         mean = statistics.fmean(values)
         margin = (mean - bound) / std if std > 0 else float("inf")
-        rows.append({"test": test, "quantity": name, "runs": len(values), "mean": round(mean, 4), "std": round(std, 4),
-                     "min": min(values), "max": max(values), "bound": bound, "margin_sd": round(margin, 1)})
+        rows.append(
+            {
+                "test": test,
+                "quantity": name,
+                "runs": len(values),
+                "mean": round(mean, 4),
+                "std": round(std, 4),
+                "min": min(values),
+                "max": max(values),
+                "bound": bound,
+                "margin_sd": round(margin, 1),
+            }
+        )
     return rows
 
 
 def table(rows: list[dict], failures: dict[str, int], runs: int) -> str:
-    lines = ["| test | quantity | runs | mean | std | min | bound | margin (σ) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| test | quantity | runs | mean | std | min | bound | margin (σ) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['test'].split('/')[-1]} | {r['quantity']} | {r['runs']} | {r['mean']} | {r['std']} | "
-                     f"{r['min']} | > {r['bound']} | {r['margin_sd']} |")
-    lines.append(f"\nfailures over {runs} runs: " + (", ".join(f"{t} ×{n}" for t, n in failures.items()) or "none"))
+        lines.append(
+            f"| {r['test'].split('/')[-1]} | {r['quantity']} | {r['runs']} | {r['mean']} | {r['std']} | "
+            f"{r['min']} | > {r['bound']} | {r['margin_sd']} |"
+        )
+    lines.append(
+        f"\nfailures over {runs} runs: " + (", ".join(f"{t} ×{n}" for t, n in failures.items()) or "none")
+    )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
     parser.add_argument("--runs", type=int, default=10, help="test runs in all (two at a time)")
     parser.add_argument("--out", default=str(RESULTS / "flakiness"))
@@ -108,12 +137,24 @@ def main() -> None:
             if outcome["returncode"] not in (0, 1):
                 print(outcome["tail"], file=sys.stderr)
         print(f"pair {pair + 1}: {time.monotonic() - start:.0f} s, failures so far {failures}", flush=True)
-    records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
+    records = (
+        [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
+    )
     rows = spread(records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"runs": args.runs, "tests": args.tests, "failures": failures,
-                                                    "spread": rows, "records": records}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "tests": args.tests,
+                "failures": failures,
+                "spread": rows,
+                "records": records,
+            },
+            indent=1,
+        )
+    )
     out.with_suffix(".md").write_text(table(rows, failures, args.runs) + "\n")
     print(table(rows, failures, args.runs))
 

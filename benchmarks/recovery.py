@@ -39,7 +39,11 @@ from asyncrl.report import read_metrics
 
 OUT = Path(__file__).parent / "results"
 ROLES = ("trainer", "inference", "orchestrator")
-READY_EVENT = {"trainer": "trainer_ready", "inference": "inference_recovered", "orchestrator": "orchestrator_resumed"}
+READY_EVENT = {
+    "trainer": "trainer_ready",
+    "inference": "inference_recovered",
+    "orchestrator": "orchestrator_resumed",
+}
 
 
 def model_20m(directory: Path) -> str:
@@ -74,10 +78,34 @@ def checkpoint_stall(path: str, repeats: int = 5) -> dict:
 
 def chaos_run(name: str, model_path: str, steps: int, root: Path, warm: bool) -> dict:
     plan = [(role, 2 + i) for i, role in enumerate(ROLES * 2)]  # spaced in time by Chaos.min_gap
-    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "--run.root", str(root), "--run.name", name,
-           "--run.overwrite", "true", "--model.path", model_path, "--run.steps", str(steps),
-           "--rollout.prompts_per_step", "8", "--rollout.group_size", "4", "--trainer.checkpoint_every", "5",
-           "--task.eval_size", "0", "--run.max_restarts", "3", "--run.warm_spare", "always" if warm else "off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "train",
+        "--run.root",
+        str(root),
+        "--run.name",
+        name,
+        "--run.overwrite",
+        "true",
+        "--model.path",
+        model_path,
+        "--run.steps",
+        str(steps),
+        "--rollout.prompts_per_step",
+        "8",
+        "--rollout.group_size",
+        "4",
+        "--trainer.checkpoint_every",
+        "5",
+        "--task.eval_size",
+        "0",
+        "--run.max_restarts",
+        "3",
+        "--run.warm_spare",
+        "always" if warm else "off",
+    ]
     run_dir = root / name
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(2)
@@ -99,8 +127,10 @@ def measure(run_dir: Path, kills: list[dict]) -> dict:
     rows = []
     for kill in kills:
         t = kill["time"]
-        after = lambda name, **match: next((e["wall_time"] - t for e in events if e["event"] == name and e["wall_time"] > t  # noqa: E731
-                                            and all(e.get(k) == v for k, v in match.items())), None)
+        def after(name: str, **match) -> float | None:  # seconds from the kill to the first such event
+            return next((e["wall_time"] - t for e in events if e["event"] == name and e["wall_time"] > t
+                         and all(e.get(k) == v for k, v in match.items())), None)
+
         next_step = next((w - t for w in step_walls if w > t), None)
         rows.append({
             "role": kill["role"], "step": kill["step"],
@@ -144,16 +174,28 @@ def plot(results: dict, path: Path) -> None:
     a.set(ylabel="seconds after SIGKILL", title="run stalled per killed role (dots: role back)")
     a.legend(fontsize=8)
     names = list(results)
-    b.bar([n + "\nsync" for n in names], [results[n]["checkpoint"]["sync_write_s"] for n in names], color="tab:red")
-    b.bar([n + "\nbackground" for n in names], [results[n]["checkpoint"]["stall_s"] for n in names], color="tab:green")
+    b.bar(
+        [n + "\nsync" for n in names],
+        [results[n]["checkpoint"]["sync_write_s"] for n in names],
+        color="tab:red",
+    )
+    b.bar(
+        [n + "\nbackground" for n in names],
+        [results[n]["checkpoint"]["stall_s"] for n in names],
+        color="tab:green",
+    )
     b.set(ylabel="seconds training waits per checkpoint", title="checkpoint stall")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
 def summarize(run: dict) -> dict:
-    return {**run, "mttr_s": per_role(run["kills"], "stall_s"), "detected_s": per_role(run["kills"], "detected_s"),
-            "role_ready_s": per_role(run["kills"], "role_ready_s")}
+    return {
+        **run,
+        "mttr_s": per_role(run["kills"], "stall_s"),
+        "detected_s": per_role(run["kills"], "detected_s"),
+        "role_ready_s": per_role(run["kills"], "role_ready_s"),
+    }
 
 
 def main() -> None:
@@ -176,17 +218,25 @@ def main() -> None:
             print(f"=== {name}: {steps} steps, each role killed twice, {start} restarts", flush=True)
             run = chaos_run(f"recovery-{name}-{start}", paths[name], steps, root, warm=start == "warm")
             results[name][start] = summarize(run)
-    print("\n| model | role killed | noticed after (s) | role back, cold / warm (s) | run stalled, cold / warm (s) "
-          "| speed-up | normal step (s) |")
+    print(
+        "\n| model | role killed | noticed after (s) | role back, cold / warm (s) "
+        "| run stalled, cold / warm (s) "
+        "| speed-up | normal step (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
         for role in ROLES:
             ratio = (cold["mttr_s"][role] / warm["mttr_s"][role]) if warm["mttr_s"][role] else float("nan")
-            print(f"| {name} ({r['checkpoint']['params'] / 1e6:.1f}M) | {role} | {cold['detected_s'][role]} | "
-                  f"{cold['role_ready_s'][role]} / {warm['role_ready_s'][role]} | "
-                  f"{cold['mttr_s'][role]} / {warm['mttr_s'][role]} | {ratio:.1f}x | {cold['median_step_s']} |")
-    print("\n| model | checkpoint stall, background (s) | synchronous write (s) | ratio | in-run stall (s) | train step (s) |")
+            print(
+                f"| {name} ({r['checkpoint']['params'] / 1e6:.1f}M) | {role} | {cold['detected_s'][role]} | "
+                f"{cold['role_ready_s'][role]} / {warm['role_ready_s'][role]} | "
+                f"{cold['mttr_s'][role]} / {warm['mttr_s'][role]} | {ratio:.1f}x | {cold['median_step_s']} |"
+            )
+    print(
+        "\n| model | checkpoint stall, background (s) | synchronous write (s) | ratio | in-run stall (s) "
+        "| train step (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         c = r["checkpoint"]
@@ -195,7 +245,9 @@ def main() -> None:
     for name, r in results.items():
         for start in ("cold", "warm"):
             ledger = r[start]["ledger"]
-            print(f"{name} {start}: ledger problems {ledger['problems']}, samples {ledger['samples_by_state']}")
+            print(
+                f"{name} {start}: ledger problems {ledger['problems']}, samples {ledger['samples_by_state']}"
+            )
     OUT.mkdir(exist_ok=True)
     (OUT / "recovery.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "recovery.png")

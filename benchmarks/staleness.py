@@ -22,7 +22,14 @@ OUT = Path(__file__).parent / "results"
 # objective label -> overrides that make it that objective (same sample budget for all)
 VARIANTS = {
     "ppo_clip": [],
-    "unclipped_is": ["--objective.name", "ppo_clip", "--objective.eps_low", "1e6", "--objective.eps_high", "1e6"],
+    "unclipped_is": [
+        "--objective.name",
+        "ppo_clip",
+        "--objective.eps_low",
+        "1e6",
+        "--objective.eps_high",
+        "1e6",
+    ],
     "dr_grpo": ["--rollout.advantage", "dr_grpo", "--objective.loss_agg", "constant"],
     "decoupled_ppo": [],
     "decoupled_ppo_loglinear": ["--objective.name", "decoupled_ppo", "--objective.prox", "loglinear"],
@@ -33,27 +40,58 @@ VARIANTS = {
     "vcpo": [],
     "cispo": [],
     # one rollout per prompt: G times as many prompts for the same number of samples
-    "sao": ["--rollout.group_size", "1", "--rollout.prompts_per_step", "128", "--rollout.advantage", "running_baseline"],
-    }
+    "sao": [
+        "--rollout.group_size",
+        "1",
+        "--rollout.prompts_per_step",
+        "128",
+        "--rollout.advantage",
+        "running_baseline",
+    ],
+}
 
 
 def cell(label: str, eta: int, seed: int, steps: int) -> dict:
-    overrides = ["--objective.name", label] if not any(a == "--objective.name" for a in VARIANTS[label]) else []
-    cfg = load_config(overrides=[
-        "--run.name", f"{label}-eta{eta}-s{seed}", "--run.root", str(OUT / "runs" / "staleness"),
-        "--run.overwrite", "true", "--run.steps", str(steps), "--run.seed", str(seed),
-        "--rollout.max_staleness", str(eta), "--task.eval_every", str(max(1, steps // 4)),
-        "--task.seed", str(1 + 1000 * seed), "--trainer.checkpoint_every", str(steps), *overrides, *VARIANTS[label],
-    ])
+    overrides = (
+        ["--objective.name", label] if not any(a == "--objective.name" for a in VARIANTS[label]) else []
+    )
+    cfg = load_config(
+        overrides=[
+            "--run.name",
+            f"{label}-eta{eta}-s{seed}",
+            "--run.root",
+            str(OUT / "runs" / "staleness"),
+            "--run.overwrite",
+            "true",
+            "--run.steps",
+            str(steps),
+            "--run.seed",
+            str(seed),
+            "--rollout.max_staleness",
+            str(eta),
+            "--task.eval_every",
+            str(max(1, steps // 4)),
+            "--task.seed",
+            str(1 + 1000 * seed),
+            "--trainer.checkpoint_every",
+            str(steps),
+            *overrides,
+            *VARIANTS[label],
+        ]
+    )
     run_dir = train(cfg, log=lambda *a, **k: None)
     summary = json.loads((run_dir / "summary.json").read_text())
     steps_rows, evals = read_metrics(run_dir)
     return {
-        "final_accuracy": summary["eval_accuracy_final"], "start_accuracy": summary["eval_accuracy_start"],
-        "staleness_mean": summary["staleness_mean"], "wall_seconds": summary["wall_seconds"],
+        "final_accuracy": summary["eval_accuracy_final"],
+        "start_accuracy": summary["eval_accuracy_start"],
+        "staleness_mean": summary["staleness_mean"],
+        "wall_seconds": summary["wall_seconds"],
         "ess_min": min((r.get("ess_fraction", 1.0) for r in steps_rows), default=None),
         "skipped_steps": sum(r.get("skipped_nonfinite", 0) for r in steps_rows),
-        "curve": [(e["eval_version"], e["eval_accuracy"]) for e in sorted(evals, key=lambda e: e["eval_version"])],
+        "curve": [
+            (e["eval_version"], e["eval_accuracy"]) for e in sorted(evals, key=lambda e: e["eval_version"])
+        ],
     }
 
 
@@ -90,7 +128,11 @@ def plot(results: dict, labels: list[str], etas: list[int], path: Path) -> None:
     start = [v["start_accuracy"] for v in results.values()]
     if start:
         ax.axhline(start[0], color="gray", ls="--", label="warm start")
-    ax.set(xlabel="max_staleness η", ylabel="final held-out greedy accuracy", title="accuracy vs staleness, same sample budget")
+    ax.set(
+        xlabel="max_staleness η",
+        ylabel="final held-out greedy accuracy",
+        title="accuracy vs staleness, same sample budget",
+    )
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -106,7 +148,13 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "staleness.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    todo = [(o, e, s) for o in args.objectives for e in args.etas for s in args.seeds if f"{o}|{e}|{s}" not in results]
+    todo = [
+        (o, e, s)
+        for o in args.objectives
+        for e in args.etas
+        for s in args.seeds
+        if f"{o}|{e}|{s}" not in results
+    ]
     for n, (label, eta, seed) in enumerate(todo, 1):
         r = cell(label, eta, seed, args.steps)
         results[f"{label}|{eta}|{seed}"] = r

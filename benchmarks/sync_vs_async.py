@@ -36,7 +36,9 @@ def run(eta: int, policy: str, steps: int, seed: int, extra: list[str]) -> dict:
     run_dir = train(cfg, log=lambda *a, **k: None)
     summary = json.loads((run_dir / "summary.json").read_text())
     steps_rows, evals = read_metrics(run_dir)
-    summary["curve"] = [(e["time"], e["eval_accuracy"]) for e in sorted(evals, key=lambda e: e["eval_version"])]
+    summary["curve"] = [
+        (e["time"], e["eval_accuracy"]) for e in sorted(evals, key=lambda e: e["eval_version"])
+    ]
     summary["threads"] = {"inference": cfg.role_threads("inference"), "trainer": cfg.role_threads("trainer")}
     summary["tokens_discarded"] = steps_rows[-1].get("tokens_discarded", 0) if steps_rows else 0
     summary["eta"], summary["policy"] = eta, policy
@@ -68,14 +70,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 4])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=["interrupt"], choices=["interrupt", "keep", "abort", "finish"])
+    parser.add_argument(
+        "--policies", nargs="+", default=["interrupt"], choices=["interrupt", "keep", "abort", "finish"]
+    )
     parser.add_argument("--name", default="sync_vs_async", help="results file name")
     args, extra = parser.parse_known_args()
     cells = [(eta, p) for eta in args.etas for p in (args.policies if eta > 0 else args.policies[:1])]
     results = {f"η={eta} {p}": run(eta, p, args.steps, args.seed, extra) for eta, p in cells}
     base = next(iter(results.values()))
-    print("\n| max_staleness | update policy | wall s | samples/s | speed-up | final accuracy | start accuracy "
-          "| mean staleness | tokens discarded | threads (inf/train) |")
+    print(
+        "\n| max_staleness | update policy | wall s | samples/s | speed-up | final accuracy | start accuracy "
+        "| mean staleness | tokens discarded | threads (inf/train) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results.values():
         print(f"| {r['eta']} | {r['policy']} | {r['train_seconds']} | {r['samples_per_s']} "

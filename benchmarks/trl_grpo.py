@@ -94,15 +94,40 @@ def main(out_dir: str, config_json: str) -> None:
     ro, obj, tr = cfg.rollout, cfg.objective, cfg.trainer
     model, tokenizer = load_policy(cfg.model.path)
     args = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, use_vllm=False, seed=cfg.run.seed, max_steps=cfg.run.steps,
-        per_device_train_batch_size=ro.prompts_per_step * ro.group_size, gradient_accumulation_steps=1,
-        num_generations=ro.group_size, steps_per_generation=1, num_iterations=1,
-        max_completion_length=ro.max_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=0,
-        learning_rate=tr.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=tr.warmup_steps,
-        adam_beta1=tr.betas[0], adam_beta2=tr.betas[1], weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
-        epsilon=obj.eps_low, epsilon_high=obj.eps_high, beta=0.0, loss_type="dapo", scale_rewards="group",
-        gradient_checkpointing=False, shuffle_dataset=False, disable_dropout=True, bf16=False,
-        logging_steps=10, save_strategy="no", report_to="none", dataloader_num_workers=0,
+        output_dir=str(out / "trl"),
+        use_cpu=True,
+        use_vllm=False,
+        seed=cfg.run.seed,
+        max_steps=cfg.run.steps,
+        per_device_train_batch_size=ro.prompts_per_step * ro.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=ro.group_size,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=ro.max_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=0,
+        learning_rate=tr.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=tr.warmup_steps,
+        adam_beta1=tr.betas[0],
+        adam_beta2=tr.betas[1],
+        weight_decay=tr.weight_decay,
+        max_grad_norm=tr.grad_clip,
+        epsilon=obj.eps_low,
+        epsilon_high=obj.eps_high,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        disable_dropout=True,
+        bf16=False,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
     )
     clock = Clock(out, every)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_function(cfg), args=args,
@@ -116,8 +141,11 @@ def main(out_dir: str, config_json: str) -> None:
         "points": clock.points, "train_seconds": round(clock.now(), 2), "wall_seconds": round(wall, 2),
         "samples": samples, "samples_per_s": round(samples / clock.now(), 2), "threads": threads,
         "log": trainer.state.log_history}, indent=1))
-    print(f"trl: {cfg.run.steps} steps in {clock.now():.1f}s of training, {samples / clock.now():.1f} samples/s",
-          flush=True)
+    print(
+        f"trl: {cfg.run.steps} steps in {clock.now():.1f}s of training, "
+        f"{samples / clock.now():.1f} samples/s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

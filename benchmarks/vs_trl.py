@@ -76,17 +76,30 @@ def run_trl(cfg, out: Path, every: int) -> dict:
     began = time.monotonic()
     env = {**os.environ, "SNAPSHOT_EVERY": str(every), "TQDM_DISABLE": "1"}
     with open(out / "trl.log", "w") as log:
-        code = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), str(out),
-                               str(out / "asyncrl_config.json")], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=3 * 3600).returncode
+        code = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "trl_grpo.py"),
+                str(out),
+                str(out / "asyncrl_config.json"),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=3 * 3600,
+        ).returncode
     if code != 0:
         tail = "\n  ".join((out / "trl.log").read_text().splitlines()[-8:])
         sys.exit(f"vs_trl: the TRL run exited with code {code}; the end of {out / 'trl.log'}:\n  {tail}")
     result = json.loads((out / "trl.json").read_text())
     snaps = {step: str(out / "snapshots" / f"step_{step:06d}") for step, _ in result["points"]}
-    return {"points": [(t, step, snaps[step]) for step, t in result["points"]], "train_seconds": result["train_seconds"],
-            "wall_seconds": round(time.monotonic() - began, 1), "samples_per_s": result["samples_per_s"],
-            "threads": f"{result['threads']} (one process)"}
+    return {
+        "points": [(t, step, snaps[step]) for step, t in result["points"]],
+        "train_seconds": result["train_seconds"],
+        "wall_seconds": round(time.monotonic() - began, 1),
+        "samples_per_s": result["samples_per_s"],
+        "threads": f"{result['threads']} (one process)",
+    }
 
 
 def run_asyncrl(cfg) -> dict:
@@ -119,7 +132,9 @@ def score_snapshots(cfg, points: list, eval_size: int) -> list[tuple[float, int,
     curve = []
     for seconds, step, path in [(0.0, 0, cfg.model.path), *points]:
         model, tokenizer = load_policy(path)
-        curve.append((seconds, step, greedy_accuracy(model, tokenizer, tasks, eval_size, cfg.rollout.max_tokens)))
+        curve.append(
+            (seconds, step, greedy_accuracy(model, tokenizer, tasks, eval_size, cfg.rollout.max_tokens))
+        )
     return curve
 
 
@@ -154,23 +169,32 @@ def summarize(runs: dict[str, list[dict]], target: float | None) -> dict:
             "train_seconds": mean([r["train_seconds"] for r in rs]), "threads": rs[0]["threads"],
         }
     for row in rows.values():
-        row["speedup_vs_trl"] = rows["trl"]["time_to_target_s"] / row["time_to_target_s"] if "trl" in rows else None
-        row["speedup_vs_eta0"] = rows["η=0"]["time_to_target_s"] / row["time_to_target_s"] if "η=0" in rows else None
+        row["speedup_vs_trl"] = (
+            rows["trl"]["time_to_target_s"] / row["time_to_target_s"] if "trl" in rows else None
+        )
+        row["speedup_vs_eta0"] = (
+            rows["η=0"]["time_to_target_s"] / row["time_to_target_s"] if "η=0" in rows else None
+        )
     return {"start_accuracy": start, "target": target, "equal_time_s": equal_time, "systems": rows}
 
 
 def table(name: str, s: dict) -> str:
-    lines = [f"**{name}**: target accuracy {s['target']:.3f} (start {s['start_accuracy']:.3f}); accuracy at equal "
-             f"time = at {s['equal_time_s']:.0f} s, when the fastest run ended\n",
-             "| system | threads | time to target s | vs TRL | vs η=0 | final accuracy | accuracy at equal time "
-             "| samples/s | training s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{name}**: target accuracy {s['target']:.3f} (start {s['start_accuracy']:.3f}); accuracy at equal "
+        f"time = at {s['equal_time_s']:.0f} s, when the fastest run ended\n",
+        "| system | threads | time to target s | vs TRL | vs η=0 | final accuracy | accuracy at equal time "
+        "| samples/s | training s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for system, r in s["systems"].items():
         ratio = lambda x: f"{x:.2f}×" if x is not None and math.isfinite(x) else "–"  # noqa: E731
         per_seed = ", ".join(f"{t:.0f}" for t in r["time_to_target_per_seed"])
-        lines.append(f"| {system} | {r['threads']} | {r['time_to_target_s']:.0f} ({per_seed}) | "
-                     f"{ratio(r['speedup_vs_trl'])} | {ratio(r['speedup_vs_eta0'])} | {r['final_accuracy']:.3f} "
-                     f"({', '.join(f'{a:.3f}' for a in r['final_per_seed'])}) | {r['accuracy_at_equal_time']:.3f} "
-                     f"| {r['samples_per_s']:.1f} | {r['train_seconds']:.0f} |")
+        lines.append(
+            f"| {system} | {r['threads']} | {r['time_to_target_s']:.0f} ({per_seed}) | "
+            f"{ratio(r['speedup_vs_trl'])} | {ratio(r['speedup_vs_eta0'])} | {r['final_accuracy']:.3f} "
+            f"({', '.join(f'{a:.3f}' for a in r['final_per_seed'])}) | {r['accuracy_at_equal_time']:.3f} "
+            f"| {r['samples_per_s']:.1f} | {r['train_seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +214,11 @@ def plot(results: dict, path: Path) -> None:
                                label=system if k == 0 else None)
                 colors[system] = line.get_color()
         a.axhline(res["summary"]["target"], color="gray", ls="--", lw=1, label="target")
-        a.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy", title=f"{name}: accuracy vs time")
+        a.set(
+            xlabel="training wall time (s)",
+            ylabel="held-out greedy accuracy",
+            title=f"{name}: accuracy vs time",
+        )
         a.legend()
         systems = list(res["summary"]["systems"])
         b.bar(systems, [res["summary"]["systems"][s]["time_to_target_s"] for s in systems],
@@ -206,7 +234,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 4], help="asyncrl max_staleness values")
-    parser.add_argument("--update-policy", default="keep", help="inference.update_policy of the asynchronous runs")
+    parser.add_argument(
+        "--update-policy", default="keep", help="inference.update_policy of the asynchronous runs"
+    )
     parser.add_argument("--no-trl", action="store_true", help="asyncrl only (TRL not installed)")
     parser.add_argument("--steps", type=int, default=None, help="override every workload's step count")
     parser.add_argument("--snapshot-every", type=int, default=10)
@@ -215,7 +245,9 @@ def main() -> None:
     parser.add_argument("--name", default="vs_trl")
     args, extra = parser.parse_known_args()
     if not args.no_trl and importlib.util.find_spec("trl") is None:
-        sys.exit('vs_trl: TRL is not installed; pip install -e ".[bench]" (or pass --no-trl to run asyncrl only)')
+        sys.exit(
+            'vs_trl: TRL is not installed; pip install -e ".[bench]" (or pass --no-trl to run asyncrl only)'
+        )
     results = {}
     for name in args.workloads:
         ensure_model(name)
@@ -225,14 +257,22 @@ def main() -> None:
             systems = ([] if args.no_trl else ["trl"]) + [f"η={eta}" for eta in args.etas]
             for system in systems:
                 tag = f"vs_trl-{name}-{'trl' if system == 'trl' else 'eta' + system[2:]}-s{seed}"
-                eta = ["--rollout.max_staleness", system[2:], "--inference.update_policy", args.update_policy] \
-                    if system != "trl" else []
-                cfg = workload_config(name, seed, steps, args.snapshot_every, ["--run.name", tag, *eta, *extra])
+                eta = (
+                    ["--rollout.max_staleness", system[2:], "--inference.update_policy", args.update_policy]
+                    if system != "trl"
+                    else []
+                )
+                cfg = workload_config(
+                    name, seed, steps, args.snapshot_every, ["--run.name", tag, *eta, *extra]
+                )
                 print(f"\n=== {name} seed {seed}: {system} ({steps} steps) ===", flush=True)
                 r = run_trl(cfg, RUNS / tag, args.snapshot_every) if system == "trl" else run_asyncrl(cfg)
                 r["curve"] = score_snapshots(cfg, r.pop("points"), args.eval_size)
-                print(f"  {r['train_seconds']:.0f}s training, {r['samples_per_s']:.1f} samples/s, accuracy "
-                      f"{r['curve'][0][2]:.3f} -> {r['curve'][-1][2]:.3f}, threads {r['threads']}", flush=True)
+                print(
+                    f"  {r['train_seconds']:.0f}s training, {r['samples_per_s']:.1f} samples/s, accuracy "
+                    f"{r['curve'][0][2]:.3f} -> {r['curve'][-1][2]:.3f}, threads {r['threads']}",
+                    flush=True,
+                )
                 runs.setdefault(system, []).append(r)
         results[name] = {"steps": steps, "runs": runs, "summary": summarize(runs, args.target)}
         print("\n" + table(name, results[name]["summary"]), flush=True)

@@ -39,9 +39,19 @@ def calc_model(tmp_path_factory) -> str:
     from asyncrl.warmstart import warmstart
 
     out = tmp_path_factory.mktemp("model") / "calc"
-    cfg = load_config(overrides={"warmstart": {
-        "demos": str(TESTS.parent / "examples/agents/calculator.py") + ":demos", "steps": 300, "batch_size": 32,
-        "hidden_size": 64, "layers": 2, "lr": 3e-3, **CHAR_POLICY}})
+    cfg = load_config(
+        overrides={
+            "warmstart": {
+                "demos": str(TESTS.parent / "examples/agents/calculator.py") + ":demos",
+                "steps": 300,
+                "batch_size": 32,
+                "hidden_size": 64,
+                "layers": 2,
+                "lr": 3e-3,
+                **CHAR_POLICY,
+            }
+        }
+    )
     warmstart(cfg, out, log=lambda *a, **k: None)
     return str(out)
 
@@ -76,7 +86,11 @@ def job_args(tmp_path: Path, model: str, **overrides) -> list[str]:
         "trainer.threads": 1, "inference.threads": 1,
     }
     base.update(overrides)
-    return [x for k, v in base.items() for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))]
+    return [
+        x
+        for k, v in base.items()
+        for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))
+    ]
 
 
 @pytest.fixture

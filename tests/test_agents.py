@@ -44,11 +44,13 @@ def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server, r
         eid = next(k for k in helpers.CONVERSATIONS if k.startswith(f"{outcomes.index(out)}-0-"))
         messages = [normalize(m) for m in helpers.CONVERSATIONS[eid]]
         assert out.failure is None and out.reward in (0.5, 1.0) and ep.turns == 3
-        # the policy's tokens are exactly the ids the engine returned, turn by turn, with their logprobs/versions
+        # the policy's tokens are exactly the ids the engine returned, turn by turn, with their
+        # logprobs and versions
         assert sampled_spans(ep) == helpers.RETURNED_IDS[eid]
         assert all((m == 1) == (v >= 0) for m, v in zip(ep.loss_mask, ep.versions))
         assert all(lp == 0.0 for m, lp in zip(ep.loss_mask, ep.logprobs) if not m)
-        # decoded, the record is the conversation as the chat template renders it (up to the last reply's glue)
+        # decoded, the record is the conversation as the chat template renders it (up to the last
+        # reply's glue)
         rendered = renderer.text(messages[:-1], None, False)
         text = tok.decode(ep.tokens)
         assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<eos>\n")
@@ -56,12 +58,18 @@ def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server, r
     record("tool_turns", tool_turns, threshold=0)
     assert tool_turns > 0, "no episode called the calculator; the test could not check tool turns"
     # nothing the policy sampled was ever encoded: every encoded token is context (mask 0)
-    assert sum(len(e) for e in encoded) == sum(len(o.episode.tokens) - o.episode.sampled_tokens for o in outcomes)
+    assert sum(len(e) for e in encoded) == sum(
+        len(o.episode.tokens) - o.episode.sampled_tokens for o in outcomes
+    )
 
 
 def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(server):
     async def go():
-        async with agent_runner(server, "tool_error_agent", **{"agent.max_episode_tokens": 250}) as (runner, _, run_dir):
+        async with agent_runner(server, "tool_error_agent", **{"agent.max_episode_tokens": 250}) as (
+            runner,
+            _,
+            run_dir,
+        ):
             return await runner.episode({"prompt": "1+2", "answer": "3"}, "t-0", 0), run_dir
 
     out, run_dir = run(go())
@@ -72,11 +80,17 @@ def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(ser
     assert results[1] == "error: tool 'slow' timed out after 0.2s"
     assert results[2] == "error: no tool named 'missing'; tools: add, broken, slow"
     assert out.reward == 0.25 and out.episode.turns == 2 and not out.episode.truncated
-    assert sorted(c["name"] for c in out.episode.tool_calls) == ["broken", "missing", "slow"]  # run concurrently
+    assert sorted(c["name"] for c in out.episode.tool_calls) == [
+        "broken",
+        "missing",
+        "slow",
+    ]  # run concurrently
     events = [e for e in read_events(run_dir) if e["event"] == "tool_error" and e["episode"] == eid]
     assert {e["tool"] for e in events} == {"broken", "slow", "missing"}
     bad = run(helpers.add.run("not json"))  # the policy wrote arguments that do not parse
-    assert bad.error and bad.text.startswith("error: tool 'add' failed: ValueError: arguments are not valid JSON")
+    assert bad.error and bad.text.startswith(
+        "error: tool 'add' failed: ValueError: arguments are not valid JSON"
+    )
     assert run(helpers.add.run({"expression": "2+3"})).text == "5"
     assert helpers.add.schema["function"]["parameters"] == {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
@@ -84,8 +98,9 @@ def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(ser
 
 def test_a_failing_agent_fails_only_its_episode(server):
     async def go():
-        async with agent_runner(server, "flaky_agent", **{"timeouts.episode": 3.0, "agent.max_turns": 4,
-                                                           "rollout.group_size": 5}) as (runner, cfg, run_dir):
+        async with agent_runner(
+            server, "flaky_agent", **{"timeouts.episode": 3.0, "agent.max_turns": 4, "rollout.group_size": 5}
+        ) as (runner, cfg, run_dir):
             return await rollout_agent_group(runner, {"prompt": "12+30=", "answer": "42"}, 7, cfg), run_dir
 
     (scored, dropped), run_dir = run(go())
@@ -95,7 +110,11 @@ def test_a_failing_agent_fails_only_its_episode(server):
     by_id = {t.id: t for t in scored}
     assert set(by_id) == {"7-0", "7-3", "7-4"}
     truncated = by_id["7-3"]  # ran into agent.max_turns: kept, with the rewards it earned (none)
-    assert truncated.info["turns"] == 4 and "turn limit" in truncated.info["truncated"] and truncated.reward == 0.0
+    assert (
+        truncated.info["turns"] == 4
+        and "turn limit" in truncated.info["truncated"]
+        and truncated.reward == 0.0
+    )
     assert by_id["7-0"].reward in (0.0, 1.0) and by_id["7-0"].info["turns"] == 1
     failed = [e for e in read_events(run_dir) if e["event"] == "episode_failed"]
     assert {e["reason"] for e in failed} >= {"agent_error", "episode_timeout"}
@@ -104,7 +123,9 @@ def test_a_failing_agent_fails_only_its_episode(server):
 def test_completions_endpoint_extends_the_episode_text(server):
     async def go():
         async with agent_runner(server, "completions_agent") as (runner, _, _):
-            return await runner.episode({"prompt": "12+30=", "answer": "42"}, "c-0", 0), runner.renderer.tokenizer
+            return await runner.episode(
+                {"prompt": "12+30=", "answer": "42"}, "c-0", 0
+            ), runner.renderer.tokenizer
 
     out, tok = run(go())
     ep = out.episode
@@ -162,8 +183,12 @@ def test_conversation_segments_mark_only_the_replies(calc_model):
 
     renderer = Renderer(AutoTokenizer.from_pretrained(calc_model))
     call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "2*3"}}}
-    messages = [{"role": "user", "content": "2*3"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]
+    messages = [
+        {"role": "user", "content": "2*3"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "6"},
+        {"role": "assistant", "content": "6"},
+    ]
     segments = conversation_segments(renderer, messages)
     assert "".join(t for t, _ in segments) == renderer.text(messages, None, False)
     assert [t for t, policy in segments if policy] == ["calc(2*3)<eos>", "6<eos>"]

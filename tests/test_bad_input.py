@@ -16,7 +16,9 @@ from asyncrl.weights import read_marker
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_config_typo(tmp_path):
@@ -49,7 +51,9 @@ def test_verifier_that_raises_drops_that_sample_and_the_run_goes_on(tiny_model, 
     errors = [e for e in events if e.get("reason") == "verifier_error"]
     assert errors and all("ValueError: cannot parse" in e["error"] for e in errors)
     assert {source_index(cfg, e["prompt_id"]) % 3 for e in errors} == {0}
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    steps = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line
+    ]
     assert len(steps) == 4
 
 
@@ -77,7 +81,8 @@ def test_silent_inference_server_fails_the_orchestrator_within_its_deadline(tmp_
 
 
 def test_bad_dataset_rows_are_dropped_with_their_reason(tiny_model, tmp_path):
-    """Malformed JSON, a row without an answer, an empty and an over-long prompt: each is skipped and recorded."""
+    """Malformed JSON, a row without an answer, an empty and an over-long prompt: each is skipped and
+    recorded."""
     rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(1, 9) for b in range(3)]
     rows[2] = '{"prompt": "1+1=", "answer": '  # cut off mid-row
     rows[5] = json.dumps({"prompt": "2+2="})
@@ -85,8 +90,17 @@ def test_bad_dataset_rows_are_dropped_with_their_reason(tiny_model, tmp_path):
     rows[11] = json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"})
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(rows) + "\n")
-    cfg = job_config(tmp_path, tiny_model, **{"task.name": "jsonl", "task.path": str(data), "task.eval_path": str(data),
-                                              "inference.max_prompt_tokens": 32, "run.steps": 4})
+    cfg = job_config(
+        tmp_path,
+        tiny_model,
+        **{
+            "task.name": "jsonl",
+            "task.path": str(data),
+            "task.eval_path": str(data),
+            "inference.max_prompt_tokens": 32,
+            "run.steps": 4,
+        },
+    )
     run_dir = train(cfg, log=lambda *a, **k: None)
     events = [e for e in read_events(run_dir) if e["event"] == "prompt_dropped"]
     errors = {e["prompt_id"] % len(rows): e["error"] for e in events}
@@ -95,7 +109,9 @@ def test_bad_dataset_rows_are_dropped_with_their_reason(tiny_model, tmp_path):
     assert "row 8 has an empty prompt" in errors[7]
     assert "tokens; inference.max_prompt_tokens is 32" in errors[11]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ledger"]["prompts_dropped"]["bad_row"] == len(events) and summary["ledger"]["problems"] == []
+    assert (
+        summary["ledger"]["prompts_dropped"]["bad_row"] == len(events) and summary["ledger"]["problems"] == []
+    )
     assert summary["steps"] == 4 and summary["eval_accuracy_final"] is not None
 
 
@@ -115,8 +131,16 @@ def test_verifier_that_hangs_or_returns_nan(tiny_model, tmp_path, tests_on_path)
 
 
 def test_nonfinite_loss_skips_the_update_and_keeps_the_weights(tiny_model, tmp_path, tests_on_path):
-    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:nan_every_other_loss", "run.steps": 4,
-                                              "trainer.keep_weight_versions": 10, "task.eval_size": 0})
+    cfg = job_config(
+        tmp_path,
+        tiny_model,
+        **{
+            "objective.import_path": "faulty:nan_every_other_loss",
+            "run.steps": 4,
+            "trainer.keep_weight_versions": 10,
+            "task.eval_size": 0,
+        },
+    )
     run_dir = train(cfg, log=lambda *a, **k: None)
     markers = [read_marker(run_dir, v) for v in range(1, 5)]
     assert [m["skipped_nonfinite"] for m in markers] == [0, 1, 0, 1]

@@ -13,8 +13,14 @@ def test_defaults_run_the_cpu_demo():
 
 
 def test_overrides_are_typed():
-    tree = parse_overrides(["--rollout.max_staleness", "4", "--run.name=x", "--objective.behav_weight_cap", "2.5"])
-    assert tree == {"rollout": {"max_staleness": 4}, "run": {"name": "x"}, "objective": {"behav_weight_cap": 2.5}}
+    tree = parse_overrides(
+        ["--rollout.max_staleness", "4", "--run.name=x", "--objective.behav_weight_cap", "2.5"]
+    )
+    assert tree == {
+        "rollout": {"max_staleness": 4},
+        "run": {"name": "x"},
+        "objective": {"behav_weight_cap": 2.5},
+    }
     cfg = load_config(overrides=["--rollout.max_staleness", "4", "--run.name", "x"])
     assert cfg.rollout.max_staleness == 4 and cfg.run.name == "x"
 
@@ -76,9 +82,20 @@ def test_example_recipes_load():
 
 
 def test_rules_across_sections():
-    with pytest.raises(ConfigError, match="rollout.advantage = 'dr_grpo' and objective.loss_agg = 'constant'"):
+    with pytest.raises(
+        ConfigError, match="rollout.advantage = 'dr_grpo' and objective.loss_agg = 'constant'"
+    ):
         load_config(overrides=["--objective.name", "dr_grpo"])
-    load_config(overrides=["--objective.name", "dr_grpo", "--rollout.advantage", "dr_grpo", "--objective.loss_agg", "constant"])
+    load_config(
+        overrides=[
+            "--objective.name",
+            "dr_grpo",
+            "--rollout.advantage",
+            "dr_grpo",
+            "--objective.loss_agg",
+            "constant",
+        ]
+    )
     with pytest.raises(ConfigError, match="running_baseline"):
         load_config(overrides=["--rollout.group_size", "1"])
     with pytest.raises(ConfigError, match="update_policy = 'finish'"):

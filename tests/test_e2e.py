@@ -54,9 +54,14 @@ def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_p
     run_dir = train(cfg, log=lambda *a, **k: None)
     plan = json.loads((run_dir / "threads.json").read_text())
     saved = json.loads((run_dir / "config.json").read_text())
-    assert (saved["inference"]["threads"], saved["trainer"]["threads"]) == (plan["inference"], plan["trainer"])
+    assert (saved["inference"]["threads"], saved["trainer"]["threads"]) == (
+        plan["inference"],
+        plan["trainer"],
+    )
     assert plan["inference"] + plan["trainer"] <= plan["cores"] and set(plan["measured_seconds"]) >= {"1"}
-    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line][-1]
+    last = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line
+    ][-1]
     # every version was trained, published, loaded and its samples generated and scored: each phase took
     # time, and the trainer's phases (one thread, timed one after another) fit in the time it was up
     for key in ("time/trainer/forward_backward", "time/trainer/publish", "time/inference/generate",
@@ -72,4 +77,6 @@ def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_p
                                                 "inference.threads": 0, "task.eval_size": 0})
     messages = []
     train(again, log=lambda *a, **k: messages.append(" ".join(map(str, a))))
-    assert not any("planning threads" in m for m in messages) and any(m.startswith("threads:") for m in messages)
+    assert not any("planning threads" in m for m in messages) and any(
+        m.startswith("threads:") for m in messages
+    )

@@ -9,7 +9,13 @@ TOK = build_char_tokenizer()
 
 def engine(seed=0, **kw):
     torch.manual_seed(0)
-    return Engine(build_tiny_model(TOK, hidden_size=32, layers=2, heads=2), TOK.pad_token_id, TOK.eos_token_id, seed, **kw)
+    return Engine(
+        build_tiny_model(TOK, hidden_size=32, layers=2, heads=2),
+        TOK.pad_token_id,
+        TOK.eos_token_id,
+        seed,
+        **kw,
+    )
 
 
 def full_logprobs(model, prompt, completion, temperature=1.0):
@@ -24,7 +30,10 @@ PROMPTS = [TOK(p)["input_ids"] for p in ["84-12=", "1+2=", "99+99=", "7-70="]]
 
 def test_logprobs_match_a_full_forward_pass():
     e = engine()
-    for params in (SamplingParams(max_tokens=6, temperature=1.0), SamplingParams(max_tokens=6, temperature=0.7)):
+    for params in (
+        SamplingParams(max_tokens=6, temperature=1.0),
+        SamplingParams(max_tokens=6, temperature=0.7),
+    ):
         for prompt, sample in zip(PROMPTS, e.generate(PROMPTS, params)):
             expected = full_logprobs(e.model, prompt, sample.token_ids, params.temperature)
             assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(expected), atol=1e-4)
@@ -147,14 +156,19 @@ def test_keep_policy_goes_on_with_the_old_cache_and_records_the_true_logprobs():
     assert len(s.token_ids) > 5 and e.tokens_discarded == 0
     assert s.versions == [0, 0, 0, 0] + [1] * (len(s.token_ids) - 4)
     e.model.load_state_dict(old)
-    assert torch.allclose(torch.tensor(s.logprobs[:4]), torch.tensor(full_logprobs(e.model, PROMPTS[0], s.token_ids)[:4]),
-                          atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(s.logprobs[:4]),
+        torch.tensor(full_logprobs(e.model, PROMPTS[0], s.token_ids)[:4]),
+        atol=1e-4,
+    )
     with torch.no_grad():
         cache = e.model(torch.tensor([PROMPTS[0] + s.token_ids[:3]]), **{e.cache_arg: DynamicCache()},
                         use_cache=True)[e.cache_arg]
         e.model.load_state_dict(new)
         logits = e.model(torch.tensor([s.token_ids[3:-1]]), **{e.cache_arg: cache}).logits[0]
-    mixed = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids[4:])[:, None]).squeeze(-1)
+    mixed = (
+        torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids[4:])[:, None]).squeeze(-1)
+    )
     assert torch.allclose(torch.tensor(s.logprobs[4:]), mixed, atol=1e-4)
     fresh = full_logprobs(e.model, PROMPTS[0], s.token_ids)[4:]
     assert not torch.allclose(torch.tensor(s.logprobs[4:]), torch.tensor(fresh), atol=1e-4)
@@ -170,7 +184,11 @@ def test_abort_policy_regenerates_under_the_new_version():
     while e.has_work():
         e.step()
     assert set(seq.sample.versions) == {1} and e.tokens_discarded == 2
-    assert torch.allclose(torch.tensor(seq.sample.logprobs), torch.tensor(full_logprobs(e.model, PROMPTS[1], seq.sample.token_ids)), atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(seq.sample.logprobs),
+        torch.tensor(full_logprobs(e.model, PROMPTS[1], seq.sample.token_ids)),
+        atol=1e-4,
+    )
 
 
 def test_abort_all_returns_partial_samples():

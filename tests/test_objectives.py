@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import ObjectiveConfig
 from asyncrl.objectives import REGISTRY, get_objective
 from asyncrl.objectives.common import LossInputs
 from asyncrl.objectives.m2po import second_moment_keep
+from asyncrl.sections import ObjectiveConfig
 from asyncrl.trainer.step import aggregation_weights, collate, kl_penalty, loglinear_prox
 from asyncrl.trajectory import Trajectory
 
@@ -114,7 +114,9 @@ def test_vcpo_baseline_and_step_scale():
     assert [row[0] for row in loss.detach().tolist()] == pytest.approx([-0.5, 0.5, 0.0, 0.0])
     assert metrics["lr_scale"] == pytest.approx(1.0)
     # one sequence far more likely now than when sampled dominates the baseline and ESS drops
-    inp = make([[0.0], [-2.0]], [[-2.0], [-2.0]], [[0.0], [-2.0]], [[0.0]] * 2, rewards=[1.0, 0.0], groups=[0, 0])
+    inp = make(
+        [[0.0], [-2.0]], [[-2.0], [-2.0]], [[0.0], [-2.0]], [[0.0]] * 2, rewards=[1.0, 0.0], groups=[0, 0]
+    )
     loss, metrics = get_objective("vcpo")(inp, CFG)
     w = [math.exp(0.0), math.exp(-2.0)]  # normalised by the max: e^2 → 1, 1 → e^-2
     b = (w[0] ** 2 * 1.0) / (w[0] ** 2 + w[1] ** 2)
@@ -160,7 +162,10 @@ def reference(name, logp, behav, prox, adv, mask, rewards, groups, cfg):
                 v = rho * clipped(r_p, a) if cfg.is_low <= rho <= cfg.is_high else 0.0
             elif name == "gspo":
                 s = math.exp(sum(logp[i][k] - prox[i][k] for k in counted(i)) / len(counted(i)))
-                ws = min(math.exp(sum(prox[i][k] - behav[i][k] for k in counted(i)) / len(counted(i))), cfg.behav_weight_cap)
+                ws = min(
+                    math.exp(sum(prox[i][k] - behav[i][k] for k in counted(i)) / len(counted(i))),
+                    cfg.behav_weight_cap,
+                )
                 v = -ws * min(s * a, min(max(s, 1 - cfg.gspo_eps_low), 1 + cfg.gspo_eps_high) * a)
             elif name == "m2po":
                 v = 0.0 if (i, t) in dropped else w * clipped(r_p, a)
@@ -182,18 +187,40 @@ CASES = {
         behav=[[-0.25, -0.8, -0.7, 0.0], [-0.5, -0.2, 0.0, 0.0], [-1.0, -0.1, -0.6, -0.4]],
         prox=[[-0.22, -0.9, -0.72, 0.0], [-0.42, -0.25, 0.0, 0.0], [-1.05, -0.07, -0.4, -0.6]],
         adv=[[1.0, 1.0, 1.0, 0.0], [-0.5, -0.5, 0.0, 0.0], [0.8, 0.8, 0.8, 0.8]],
-        mask=[[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], rewards=[1.0, 0.0, 1.0], groups=[0, 0, 1]),
+        mask=[[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]],
+        rewards=[1.0, 0.0, 1.0],
+        groups=[0, 0, 1],
+    ),
     "fully_masked_row": dict(
-        logp=[[-0.3, -0.2], [NAN, INF]], behav=[[-0.35, -0.1], [0.0, 0.0]], prox=[[-0.3, -0.15], [0.0, 0.0]],
-        adv=[[1.0, 1.0], [0.0, 0.0]], mask=[[1, 1], [0, 0]], rewards=[1.0, 0.0], groups=[0, 0]),
+        logp=[[-0.3, -0.2], [NAN, INF]],
+        behav=[[-0.35, -0.1], [0.0, 0.0]],
+        prox=[[-0.3, -0.15], [0.0, 0.0]],
+        adv=[[1.0, 1.0], [0.0, 0.0]],
+        mask=[[1, 1], [0, 0]],
+        rewards=[1.0, 0.0],
+        groups=[0, 0],
+    ),
     "single_token": dict(
-        logp=[[-0.5]], behav=[[-0.45]], prox=[[-0.48]], adv=[[-1.0]], mask=[[1]], rewards=[0.0], groups=[0]),
+        logp=[[-0.5]], behav=[[-0.45]], prox=[[-0.48]], adv=[[-1.0]], mask=[[1]], rewards=[0.0], groups=[0]
+    ),
     "zero_advantages": dict(
-        logp=[[-0.5, -0.2], [-0.1, -0.9]], behav=[[-0.4, -0.3], [-0.2, -0.5]], prox=[[-0.45, -0.25], [-0.1, -0.7]],
-        adv=[[0.0, 0.0], [0.0, 0.0]], mask=[[1, 1], [1, 1]], rewards=[1.0, 1.0], groups=[0, 0]),
+        logp=[[-0.5, -0.2], [-0.1, -0.9]],
+        behav=[[-0.4, -0.3], [-0.2, -0.5]],
+        prox=[[-0.45, -0.25], [-0.1, -0.7]],
+        adv=[[0.0, 0.0], [0.0, 0.0]],
+        mask=[[1, 1], [1, 1]],
+        rewards=[1.0, 1.0],
+        groups=[0, 0],
+    ),
     "ratios_near_0_and_inf": dict(
-        logp=[[-30.0, -0.1], [-0.1, -0.2]], behav=[[-0.1, -30.0], [-0.1, -0.2]], prox=[[-0.1, -30.0], [-0.1, -0.2]],
-        adv=[[1.0, 1.0], [-1.0, 1.0]], mask=[[1, 1], [1, 1]], rewards=[1.0, 0.0], groups=[0, 0]),
+        logp=[[-30.0, -0.1], [-0.1, -0.2]],
+        behav=[[-0.1, -30.0], [-0.1, -0.2]],
+        prox=[[-0.1, -30.0], [-0.1, -0.2]],
+        adv=[[1.0, 1.0], [-1.0, 1.0]],
+        mask=[[1, 1], [1, 1]],
+        rewards=[1.0, 0.0],
+        groups=[0, 0],
+    ),
 }
 
 
@@ -270,8 +297,18 @@ def test_kl_estimators():
 
 
 def test_collate_aligns_tokens_with_next_token_logits():
-    t = Trajectory("a", "g", "t", 0, tokens=[1, 5, 6, 7], loss_mask=[0, 0, 1, 1],
-                   logprobs=[0.0, 0.0, -0.5, -0.7], versions=[-1, -1, 3, 4], reward=1.0, advantages=[0, 0, 2.0, 2.0])
+    t = Trajectory(
+        "a",
+        "g",
+        "t",
+        0,
+        tokens=[1, 5, 6, 7],
+        loss_mask=[0, 0, 1, 1],
+        logprobs=[0.0, 0.0, -0.5, -0.7],
+        versions=[-1, -1, 3, 4],
+        reward=1.0,
+        advantages=[0, 0, 2.0, 2.0],
+    )
     short = Trajectory("b", "h", "t", 1, tokens=[1, 5, 6], loss_mask=[0, 0, 1],
                        logprobs=[0.0, 0.0, -0.1], versions=[-1, -1, 4], advantages=[0, 0, -1.0])
     b = collate([t, short], pad_id=0, version=5)

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from asyncrl.config import TaskConfig
 from asyncrl.model import build_char_tokenizer, build_tiny_model
 from asyncrl.report import profile, profile_summary
 from asyncrl.rewards.pool import VerifierError, VerifierPool
+from asyncrl.sections import TaskConfig
 from asyncrl.threads import ALTERNATE, choose
 from asyncrl.trainer.step import CALL_COST_TOKENS, collate, length_buckets, token_logprobs
 from asyncrl.trajectory import Trajectory
@@ -33,7 +33,9 @@ def test_bucketed_logprobs_equal_one_padded_forward():
     for i in range(40):
         n = rng.randint(6, 10) if i % 8 else rng.randint(30, 60)
         ids = [rng.randrange(3, len(tok)) for _ in range(n)]
-        trajs.append(Trajectory(str(i), "g", "t", 0, ids, [0] * 3 + [1] * (n - 3), [0.0] * n, [-1] * 3 + [0] * (n - 3)))
+        trajs.append(
+            Trajectory(str(i), "g", "t", 0, ids, [0] * 3 + [1] * (n - 3), [0.0] * n, [-1] * 3 + [0] * (n - 3))
+        )
     batch = collate(trajs, tok.pad_token_id, 0)
     with torch.no_grad():
         logp, entropy = token_logprobs(model, batch, temperature=0.7)
@@ -41,7 +43,9 @@ def test_bucketed_logprobs_equal_one_padded_forward():
         full = torch.log_softmax(logits / 0.7, -1)
     counted = batch["mask"] > 0
     assert logp.shape == batch["mask"].shape
-    assert torch.allclose(logp[counted], full.gather(-1, batch["targets"][..., None]).squeeze(-1)[counted], atol=1e-5)
+    assert torch.allclose(
+        logp[counted], full.gather(-1, batch["targets"][..., None]).squeeze(-1)[counted], atol=1e-5
+    )
     assert torch.allclose(entropy[counted], -(full.exp() * full).sum(-1)[counted], atol=1e-5)
 
 
@@ -62,7 +66,10 @@ def test_alternating_roles_each_take_their_fastest_count():
     assert plan["predicted_step_seconds"][ALTERNATE] == pytest.approx(0.29)
     assert not plan["overlap_pays"]  # split 1/1 would take 0.33 s a step
     long_answers = {1: {"generate": 0.40, "train": 0.6}, 2: {"generate": 0.22, "train": 0.36}}
-    assert (choose(long_answers, 2, overlap=False)["inference"], choose(long_answers, 2, overlap=True)["inference"]) == (2, 1)
+    assert (
+        choose(long_answers, 2, overlap=False)["inference"],
+        choose(long_answers, 2, overlap=True)["inference"],
+    ) == (2, 1)
     balanced = {1: {"generate": 0.3, "train": 0.3}, 2: {"generate": 0.25, "train": 0.2}}
     assert choose(balanced, 2, overlap=True)["overlap_pays"]
 
@@ -76,9 +83,13 @@ def test_profile_stacks_each_role_to_its_uptime_and_counts_framework_time():
         "time/orchestrator/uptime": 9.0, "time/verifiers/score": 0.1,
     }
     roles = profile(record)
-    assert roles["trainer"]["other"] == pytest.approx(0.3) and sum(roles["trainer"].values()) == pytest.approx(10.0)
+    assert roles["trainer"]["other"] == pytest.approx(0.3) and sum(
+        roles["trainer"].values()
+    ) == pytest.approx(10.0)
     assert roles["inference"]["idle"] == pytest.approx(3.0)
-    assert roles["orchestrator"] == pytest.approx({"ledger": 0.4, "http_and_bookkeeping": 0.6, "off_cpu": 8.0})
+    assert roles["orchestrator"] == pytest.approx(
+        {"ledger": 0.4, "http_and_bookkeeping": 0.6, "off_cpu": 8.0}
+    )
     summary = profile_summary(roles)
     framework = 0.5 + 0.2 + 0.3 + 0.3 + 0.2 + 1.0  # publish, read, other; load, respond; orchestrator CPU
     assert summary["framework_seconds"] == pytest.approx(framework, abs=0.05)

@@ -47,7 +47,9 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     run_dir = cfg.run_dir
     plan = [("trainer", 3), ("inference", 6), ("orchestrator", 9), ("trainer", 13), ("inference", 16),
             ("orchestrator", 19)]
-    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     chaos = Chaos(run_dir, plan, seed=7)
     chaos.start()
     out, _ = proc.communicate(timeout=600)
@@ -67,7 +69,9 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
 def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_path):
     cfg = job_config(tmp_path, tiny_model, **RUN)
     run_dir = cfg.run_dir
-    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 300
     while steps_recorded(run_dir) < 14:
         assert time.monotonic() < deadline and proc.poll() is None
@@ -97,8 +101,11 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
 
 
 def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_path, tests_on_path):
-    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:exploding_loss", "run.max_restarts": 1,
-                                              "run.warm_spare": "off"})  # the cold restart path
+    cfg = job_config(
+        tmp_path,
+        tiny_model,
+        **{"objective.import_path": "faulty:exploding_loss", "run.max_restarts": 1, "run.warm_spare": "off"},
+    )  # (warm_spare off: the cold restart path)
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
     message = str(err.value)
@@ -106,13 +113,20 @@ def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_pa
     assert [e["target"] for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"] == ["trainer"]
 
 
-def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(tiny_model, tmp_path, tests_on_path, monkeypatch):
+def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
+    tiny_model, tmp_path, tests_on_path, monkeypatch
+):
     """The trainer hangs once, forever; everything else goes on. Another role silent for 6 s on a
     loaded machine would be restarted too, which is right: only the trainer's restart is asserted."""
     monkeypatch.setenv("ASYNCRL_TEST_FLAG", str(tmp_path / "hung-once"))
-    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:hang_once_loss", "run.steps": 4,
-                                              "timeouts.heartbeat": 6})
+    cfg = job_config(
+        tmp_path,
+        tiny_model,
+        **{"objective.import_path": "faulty:hang_once_loss", "run.steps": 4, "timeouts.heartbeat": 6},
+    )
     run_dir = train(cfg, log=lambda *a, **k: None)
-    restarts = [e for e in read_events(run_dir) if e["event"] == "role_restarted" and e["target"] == "trainer"]
+    restarts = [
+        e for e in read_events(run_dir) if e["event"] == "role_restarted" and e["target"] == "trainer"
+    ]
     assert len(restarts) == 1 and "no heartbeat" in restarts[0]["why"]
     assert_nothing_lost(run_dir)

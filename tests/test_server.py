@@ -58,7 +58,9 @@ def test_updated_weights_equal_the_trainers(server):
 
     async def update_and_read(client):
         before = await client.version(with_hash=True)
-        await client.update_weights({"path": str(weights.weights_file(run_dir, 1)), "version": 1, "hash": digest}, 30)
+        await client.update_weights(
+            {"path": str(weights.weights_file(run_dir, 1)), "version": 1, "hash": digest}, 30
+        )
         return before, await client.version(with_hash=True)
 
     before, after = call(update_and_read, url)
@@ -138,7 +140,12 @@ def test_patch_update_reproduces_the_trainers_weights(server):
     assert out["loaded_from"] == "patch" and after == {"version": v, "hash": digest}
     # a patch for a version the server does not hold falls back to the full weights
     weights.publish(run_dir, v + 1, new, {})
-    stale = {**body, "version": v + 1, "base_version": v - 5, "path": str(weights.weights_file(run_dir, v + 1))}
+    stale = {
+        **body,
+        "version": v + 1,
+        "base_version": v - 5,
+        "path": str(weights.weights_file(run_dir, v + 1)),
+    }
     out, after = call(lambda c: _update_then_hash(c, stale), url)
     assert out["loaded_from"] == "full" and after["hash"] == digest
 

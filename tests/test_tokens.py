@@ -21,10 +21,12 @@ from asyncrl.orchestrator.rollout import rollout_group
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
 
-CORPUS = ["State the final answer to the following arithmetic problem: 84 - 12 = 72",
-          'The calculator says <tool_call>\n{"name": "calc", "arguments": {"expression": "12*34"}}\n</tool_call>',
-          "Reply with only your guess; after each wrong guess I reply higher or lower.",
-          "héllo wörld, naïve café — 🙂 emoji and tabs\tand\nnewlines"] * 20
+CORPUS = [
+    "State the final answer to the following arithmetic problem: 84 - 12 = 72",
+    'The calculator says <tool_call>\n{"name": "calc", "arguments": {"expression": "12*34"}}\n</tool_call>',
+    "Reply with only your guess; after each wrong guess I reply higher or lower.",
+    "héllo wörld, naïve café — 🙂 emoji and tabs\tand\nnewlines",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,9 @@ def bpe_policy(tmp_path_factory) -> str:
     """A random tiny Qwen3 (GQA) with a BPE tokenizer trained on chat, tool-call and task text."""
     out = tmp_path_factory.mktemp("bpe") / "policy"
     tok = build_bpe_tokenizer(chatml_corpus(CORPUS), vocab_size=600)
-    build_tiny_model(tok, hidden_size=32, layers=2, heads=2, architecture="qwen3", kv_heads=1).save_pretrained(out)
+    build_tiny_model(
+        tok, hidden_size=32, layers=2, heads=2, architecture="qwen3", kv_heads=1
+    ).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
 
@@ -61,9 +65,14 @@ def test_the_tokenizer_is_byte_level_bpe_with_chatml(bpe_policy):
     for text in ("héllo 🙂\tx\n", "字节级 BPE", "\x00\x7f"):  # every byte string round-trips
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "2*3"}}}
-    messages = [{"role": "user", "content": "2*3"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages = [
+        {"role": "user", "content": "2*3"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
     rendered = tok.apply_chat_template(messages, tools=[helpers.calc.schema], tokenize=False)
-    assert rendered.startswith("<|im_start|>system\n# Tools") and "<|im_start|>user\n2*3<|im_end|>\n" in rendered
+    assert (
+        rendered.startswith("<|im_start|>system\n# Tools") and "<|im_start|>user\n2*3<|im_end|>\n" in rendered
+    )
     reply = rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n")
     _, calls = parse_hermes(reply, [helpers.calc.schema])
     assert [c["function"]["name"] for c in calls] == ["calc"] and '"2*3"' in calls[0]["function"]["arguments"]
@@ -81,7 +90,9 @@ def test_a_completion_record_is_the_prompt_ids_and_the_sampled_ids(bpe_server, t
     tasks = load_tasks(cfg.task)
     entry = {**tasks.item(0), "prompt": ""}
     prompt = tasks.prompt_ids(entry, tok)
-    assert tok.decode(prompt).startswith("<|im_start|>user\n") and tok.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert tok.decode(prompt).startswith("<|im_start|>user\n") and tok.decode(prompt).endswith(
+        "<|im_start|>assistant\n"
+    )
 
     async def go():
         verifiers = VerifierPool(cfg.task, 1)
@@ -112,9 +123,16 @@ def test_agent_turns_keep_the_sampled_ids_across_template_boundaries(bpe_server,
     url, run_dir, model = bpe_server
 
     async def go():
-        async with agent_runner((url, run_dir, model), "bpe_turns_agent", **{  # (the tools' system turn is long)
-                "agent.tool_parser": "hermes", "rollout.max_tokens": 6, "agent.max_episode_tokens": 480,
-                "inference.max_prompt_tokens": 512}) as (runner, _, _):
+        async with agent_runner(
+            (url, run_dir, model),
+            "bpe_turns_agent",
+            **{  # (the tools' system turn is long)
+                "agent.tool_parser": "hermes",
+                "rollout.max_tokens": 6,
+                "agent.max_episode_tokens": 480,
+                "inference.max_prompt_tokens": 512,
+            },
+        ) as (runner, _, _):
             return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0", i)
                     for i in range(12)], runner.renderer
 
@@ -145,8 +163,12 @@ def test_the_glue_after_a_cut_reply_is_encoded_apart_from_it(bpe_policy):
     tok = AutoTokenizer.from_pretrained(bpe_policy)
     renderer = Renderer(tok)
     merged = tok(" arithmetic", add_special_tokens=False)["input_ids"]
-    split = tok(" arith", add_special_tokens=False)["input_ids"] + tok("metic", add_special_tokens=False)["input_ids"]
-    assert len(merged) == 1 and len(split) > 1 and tok.decode(split) == " arithmetic"  # what BPE would not write
+    split = (
+        tok(" arith", add_special_tokens=False)["input_ids"]
+        + tok("metic", add_special_tokens=False)["input_ids"]
+    )
+    # `split` is what BPE would never write
+    assert len(merged) == 1 and len(split) > 1 and tok.decode(split) == " arithmetic"
     session = PolicySession(Episode(Limits(4, 256, 16)), None, renderer, {"temperature": 1.0, "top_p": 1.0},
                             [tok.eos_token_id])
     first = [{"role": "user", "content": "go"}]

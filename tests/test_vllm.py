@@ -28,7 +28,9 @@ def test_synchronous_run_on_vllm_reloads_every_version(tiny_model, tmp_path):
         "rollout.max_staleness": 0, "run.steps": 4, "timeouts.startup": 600,
     })
     run_dir = train(cfg, log=lambda *a, **k: None)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    steps = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line
+    ]
     assert len(steps) == 4
     assert all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
     for step in range(4):

@@ -129,17 +129,25 @@ class PolicySession:
         for i, (old, new) in enumerate(zip(self.history, messages)):
             if not _same(old, new):
                 raise ChatFormatError(
-                    f"message {i} ({new['role']}) differs from the one this episode already holds; an episode's "
-                    "conversation may only grow (start a new episode to edit its history)")
+                    f"message {i} ({new['role']}) differs from the one this episode already holds; "
+                    "an episode's "
+                    "conversation may only grow (start a new episode to edit its history)"
+                )
         if len(messages) < known:
-            raise ChatFormatError(f"the request has {len(messages)} messages; this episode already holds {known}")
+            raise ChatFormatError(
+                f"the request has {len(messages)} messages; this episode already holds {known}"
+            )
         before_reply = self.renderer.text(self.history[:-1], tools, True)
         with_reply = self.renderer.text(self.history, tools, False)
         full = self.renderer.text(messages, tools, True)
         if not (with_reply.startswith(before_reply) and full.startswith(with_reply)):
-            raise ChatFormatError("the chat template renders the conversation so far differently once later "
-                                  "messages follow it, so the new turn cannot be appended without re-encoding")
-        return self.renderer.encode(self._after_sampled(with_reply[len(before_reply):]) + full[len(with_reply):])
+            raise ChatFormatError(
+                "the chat template renders the conversation so far differently once later "
+                "messages follow it, so the new turn cannot be appended without re-encoding"
+            )
+        return self.renderer.encode(
+            self._after_sampled(with_reply[len(before_reply) :]) + full[len(with_reply) :]
+        )
 
     def _after_sampled(self, turn: str) -> str:
         """The template's text for the last reply that follows the tokens the policy sampled."""
@@ -160,9 +168,13 @@ class PolicySession:
             raise ChatFormatError("this episode is a chat; it cannot continue with /v1/completions")
         if isinstance(prompt, str):
             if not prompt.startswith(self.text):
-                raise ChatFormatError(f"the prompt must extend the episode so far (the previous prompt and its "
-                                      f"completion, {len(self.text)} characters); got {prompt[:60]!r}...")
-            new_ids = self.tokenizer(prompt[len(self.text):], add_special_tokens=not self.episode.tokens)["input_ids"]
+                raise ChatFormatError(
+                    f"the prompt must extend the episode so far (the previous prompt and its "
+                    f"completion, {len(self.text)} characters); got {prompt[:60]!r}..."
+                )
+            new_ids = self.tokenizer(prompt[len(self.text) :], add_special_tokens=not self.episode.tokens)[
+                "input_ids"
+            ]
         else:
             if prompt[: len(self.episode.tokens)] != self.episode.tokens:
                 raise ChatFormatError("the prompt's token ids must start with the episode's tokens so far")
@@ -179,8 +191,14 @@ class PolicySession:
         episode = self.episode
         budget = episode.start_turn(max_tokens, len(new_ids))
         try:
-            [choice] = await self.client.complete([episode.tokens + new_ids], 1, budget, self.sampling["temperature"],
-                                                  self.sampling["top_p"], self.stop_ids)
+            [choice] = await self.client.complete(
+                [episode.tokens + new_ids],
+                1,
+                budget,
+                self.sampling["temperature"],
+                self.sampling["top_p"],
+                self.stop_ids,
+            )
         except InferenceUnavailable:
             episode.server_lost = True
             raise

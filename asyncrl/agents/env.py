@@ -28,7 +28,8 @@ class Step:
 
 class Environment:
     tools: list[Tool] = []
-    max_turns: int | None = None  # environment turns (steps); the run's agent.max_turns still caps policy calls
+    # environment turns (steps); the run's agent.max_turns still caps policy calls
+    max_turns: int | None = None
 
     async def reset(self, task: dict) -> str | list[dict]:
         raise NotImplementedError

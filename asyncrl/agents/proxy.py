@@ -50,7 +50,9 @@ def make_proxy(sessions: dict, model_name: str) -> web.Application:
         episode_id = request.match_info["episode"]
         session = sessions.get(episode_id)
         if session is None:
-            raise ChatFormatError(f"episode {episode_id!r} is not running (it finished, failed or never started)")
+            raise ChatFormatError(
+                f"episode {episode_id!r} is not running (it finished, failed or never started)"
+            )
         return session
 
     async def body_of(request: web.Request) -> dict:
@@ -76,20 +78,33 @@ def make_proxy(sessions: dict, model_name: str) -> web.Application:
         reply, finish = await session.chat(messages, body.get("tools"),
                                            body.get("max_completion_tokens") or body.get("max_tokens"))
         sampled = session.last_sampled
-        return web.json_response({
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None,
-                         "token_ids": sampled}],
-            "usage": usage(session, len(sampled)),
-        })
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": reply,
+                        "finish_reason": finish,
+                        "logprobs": None,
+                        "token_ids": sampled,
+                    }
+                ],
+                "usage": usage(session, len(sampled)),
+            }
+        )
 
     async def completions(request: web.Request) -> web.Response:
         session, body = session_of(request), await body_of(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+        if not (
+            isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+        ):
             raise ChatFormatError("'prompt' must be one string or one list of token ids")
         choice = await session.complete(prompt, body.get("max_tokens"))
         return web.json_response({

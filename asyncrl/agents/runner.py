@@ -43,8 +43,10 @@ def load_agent(path: str):
     if inspect.isclass(obj):
         obj = obj().run
     if not inspect.iscoroutinefunction(obj):
-        raise ConfigError(f"agent.path = {path!r} must name an async function (task, ctx), a class with an async "
-                          "run(task, ctx), or an asyncrl.agents.Environment subclass")
+        raise ConfigError(
+            f"agent.path = {path!r} must name an async function (task, ctx), a class with an async "
+            "run(task, ctx), or an asyncrl.agents.Environment subclass"
+        )
     return obj
 
 
@@ -57,7 +59,9 @@ def chat_template(name: str | None) -> str | None:
     try:
         return open(name).read()
     except OSError as e:
-        raise ConfigError(f"agent.chat_template = {name!r} is neither \"tiny\" nor a readable jinja file: {e}") from None
+        raise ConfigError(
+            f'agent.chat_template = {name!r} is neither "tiny" nor a readable jinja file: {e}'
+        ) from None
 
 
 class EpisodeQueue:
@@ -155,9 +159,13 @@ class AgentContext:
         return self._record(await tool.run(arguments, self.runner.cfg.timeouts.tool))
 
     def _record(self, result: ToolResult) -> ToolResult:
-        self.episode.tool_calls.append({"name": result.name, "seconds": round(result.seconds, 4), "error": result.error})
+        self.episode.tool_calls.append(
+            {"name": result.name, "seconds": round(result.seconds, 4), "error": result.error}
+        )
         if result.error:
-            self.runner.events.write("tool_error", episode=self.episode_id, tool=result.name, error=result.error)
+            self.runner.events.write(
+                "tool_error", episode=self.episode_id, tool=result.name, error=result.error
+            )
         return result
 
     async def call_tools(self, tool_calls: list, tools: list[Tool]) -> list[dict]:
@@ -201,7 +209,8 @@ class AgentRunner:
         return self.agent_of.get(task.get("task") if self.cfg.task.mix else None)
 
     def http_client(self):
-        """One connection pool for every episode's OpenAI client (a client of its own costs ~10 ms of TLS setup)."""
+        """One connection pool for every episode's OpenAI client (a client of its own costs ~10 ms of
+        TLS setup)."""
         if self._http is None:
             import openai
 
@@ -221,7 +230,9 @@ class AgentRunner:
         ro = self.cfg.rollout
         sampling = {"temperature": 0.0 if greedy else ro.temperature, "top_p": 1.0 if greedy else ro.top_p}
         episode = Episode(self.limits)
-        session = PolicySession(episode, self.client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser)
+        session = PolicySession(
+            episode, self.client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser
+        )
         base_url = f"{self.proxy_url}/episodes/{episode_id}/v1" if self.proxy_url else None
         ctx = AgentContext(self, task, session, episode_id, base_url)
         self.sessions[episode_id] = session
@@ -242,17 +253,24 @@ class AgentRunner:
         outcome = await self._reward(episode, result, ctx)
         outcome.seconds = time.monotonic() - start
         if outcome.failure:
-            self.events.write("episode_failed", episode=episode_id, reason=outcome.failure, error=outcome.error)
+            self.events.write(
+                "episode_failed", episode=episode_id, reason=outcome.failure, error=outcome.error
+            )
         return outcome
 
     def _failed(self, episode_id: str, episode: Episode, error: Exception, seconds: float) -> Outcome:
         if isinstance(error, asyncio.TimeoutError):
-            reason, text = "episode_timeout", f"the agent ran past timeouts.episode ({self.cfg.timeouts.episode:g}s)"
+            reason, text = (
+                "episode_timeout",
+                f"the agent ran past timeouts.episode ({self.cfg.timeouts.episode:g}s)",
+            )
         elif isinstance(error, EpisodeAborted):
             reason, text = "aborted", str(error)
         else:
             reason, text = "agent_error", f"{type(error).__name__}: {error}"
-        self.events.write("episode_failed", episode=episode_id, reason=reason, error=text, turns=episode.turns)
+        self.events.write(
+            "episode_failed", episode=episode_id, reason=reason, error=text, turns=episode.turns
+        )
         return Outcome(episode, failure=reason, error=text, seconds=seconds)
 
     async def _reward(self, episode: Episode, result, ctx: AgentContext) -> Outcome:
@@ -270,6 +288,9 @@ class AgentRunner:
                 except VerifierError as e:
                     return Outcome(episode, failure="verifier_error", error=str(e))
         if not isinstance(result, (int, float)) or not math.isfinite(result):
-            return Outcome(episode, failure="agent_error",
-                           error=f"reward {result!r} is not a finite number (return a float, a list of floats or None)")
+            return Outcome(
+                episode,
+                failure="agent_error",
+                error=f"reward {result!r} is not a finite number (return a float, a list of floats or None)",
+            )
         return Outcome(episode, reward=float(result))

@@ -13,7 +13,8 @@ class InferenceError(RuntimeError):
 
 
 class InferenceUnavailable(InferenceError):
-    """The server cannot be reached or dropped the connection: it may be restarting, retry after it is back."""
+    """The server cannot be reached or dropped the connection: it may be restarting, retry after it is
+    back."""
 
 
 class InferenceClient:
@@ -32,7 +33,9 @@ class InferenceClient:
     async def __aexit__(self, *exc) -> None:
         await self._session.close()
 
-    async def _call(self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs) -> dict:
+    async def _call(
+        self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs
+    ) -> dict:
         url = self.url + endpoint
         deadline = timeout or self.timeout
         try:
@@ -42,14 +45,18 @@ class InferenceClient:
                 body = await resp.json(content_type=None, loads=orjson.loads)
                 if resp.status != 200:
                     message = (body or {}).get("error", {}).get("message", body)
-                    raise InferenceError(f"inference server {self.url} refused {what} ({resp.status}): {message}")
+                    raise InferenceError(
+                        f"inference server {self.url} refused {what} ({resp.status}): {message}"
+                    )
                 return body
         except asyncio.TimeoutError:
             raise InferenceError(
                 f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"
             ) from None
         except aiohttp.ClientConnectionError as e:
-            raise InferenceUnavailable(f"inference server {self.url} unreachable during {what}: {e}") from None
+            raise InferenceUnavailable(
+                f"inference server {self.url} unreachable during {what}: {e}"
+            ) from None
         except aiohttp.ClientError as e:
             raise InferenceError(f"inference server {self.url} unreachable during {what}: {e}") from None
 
@@ -61,7 +68,9 @@ class InferenceClient:
 
     async def update_weights(self, body: dict, timeout: float) -> dict:
         """body: path, version, and optionally patch + base_version, hash, policy (see the server)."""
-        return await self._call("POST", "/update_weights", f"loading weights version {body['version']}", timeout, json=body)
+        return await self._call(
+            "POST", "/update_weights", f"loading weights version {body['version']}", timeout, json=body
+        )
 
     async def version(self, with_hash: bool = False) -> dict:
         return await self._call("GET", "/version" + ("?hash=1" if with_hash else ""), "a version query")
@@ -80,5 +89,16 @@ class InferenceClient:
                 return
             except InferenceError as e:
                 if time.monotonic() - start > deadline:
-                    raise InferenceError(f"inference server {self.url} not healthy after {deadline:.0f}s: {e}") from None
+                    raise InferenceError(
+                        f"inference server {self.url} not healthy after {deadline:.0f}s: {e}"
+                    ) from None
                 await asyncio.sleep(0.2)
+
+
+def client_for(cfg, url: str):
+    """The client of the configured engine at `url`: asyncrl's own server, or a vLLM one."""
+    if cfg.inference.engine == "vllm":
+        from asyncrl.inference.vllm_client import VLLMClient
+
+        return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
+    return InferenceClient(url, cfg.timeouts.http)

@@ -132,7 +132,9 @@ class Engine:
             return
         tokens, logprobs = sample_rows(self.logits, self.temps, self.top_ps, self.generator)
         live = sampled = 0
-        for row, (seq, tok, lp, v) in enumerate(zip(self.rows, tokens.tolist(), logprobs.tolist(), self.logit_versions)):
+        for row, (seq, tok, lp, v) in enumerate(
+            zip(self.rows, tokens.tolist(), logprobs.tolist(), self.logit_versions)
+        ):
             if seq is None:
                 continue
             sampled += 1

@@ -59,8 +59,12 @@ class GrowingLayer(DynamicLayer):
         n = key_states.shape[-2]
         if self.length + n > self._k.shape[-2]:
             grow = max(self._k.shape[-2], n)
-            self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:-2], grow, self._k.shape[-1]))], dim=-2)
-            self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:-2], grow, self._v.shape[-1]))], dim=-2)
+            self._k = torch.cat(
+                [self._k, self._k.new_empty((*self._k.shape[:-2], grow, self._k.shape[-1]))], dim=-2
+            )
+            self._v = torch.cat(
+                [self._v, self._v.new_empty((*self._v.shape[:-2], grow, self._v.shape[-1]))], dim=-2
+            )
         self._k[..., self.length : self.length + n, :] = key_states
         self._v[..., self.length : self.length + n, :] = value_states
         self.length += n
@@ -83,7 +87,10 @@ def concat(a: list, a_mask: torch.Tensor, b: list, b_mask: torch.Tensor):
     """Stack two batches' (layers, attention mask) along rows, aligning them on the right."""
     width = max(a_mask.shape[1], b_mask.shape[1])
     layers = [
-        (torch.cat([_left_pad(ka, width), _left_pad(kb, width)]), torch.cat([_left_pad(va, width), _left_pad(vb, width)]))
+        (
+            torch.cat([_left_pad(ka, width), _left_pad(kb, width)]),
+            torch.cat([_left_pad(va, width), _left_pad(vb, width)]),
+        )
         for (ka, va), (kb, vb) in zip(a, b)
     ]
     return layers, torch.cat([_left_pad(a_mask, width), _left_pad(b_mask, width)])

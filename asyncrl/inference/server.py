@@ -153,10 +153,16 @@ class Worker:
                 weights.apply_patch(live, weights.load(body["patch"]))
                 if expected is None or weights.state_hash(live) == expected:
                     return "patch"
-                print(f"inference: patch for version {body['version']} gave the wrong hash; loading the full weights", flush=True)
+                print(
+                    f"inference: patch for version {body['version']} gave the wrong hash; "
+                    "loading the full weights",
+                    flush=True,
+                )
             model.load_state_dict(weights.load(body["path"]), strict=False)
         if expected is not None and weights.state_hash(weights.model_state(model)) != expected:
-            raise ValueError(f"weights of version {body['version']} from {body['path']} do not match the trainer's hash")
+            raise ValueError(
+                f"weights of version {body['version']} from {body['path']} do not match the trainer's hash"
+            )
         return "full"
 
     def _cmd_pause(self, future) -> None:
@@ -211,7 +217,9 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
 
-def _completion_response(samples, n: int, prompts: list[list[int]], tokenizer, model_name: str) -> web.Response:
+def _completion_response(
+    samples, n: int, prompts: list[list[int]], tokenizer, model_name: str
+) -> web.Response:
     choices = [
         {
             "index": i,
@@ -244,8 +252,11 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         except (BadRequest, json.JSONDecodeError) as e:
             return _error(400, str(e))
         if worker.waiting() + len(prompts) > cfg.inference.max_waiting_sequences:
-            return _error(429, f"{worker.waiting()} sequences are already waiting "
-                               f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later")
+            return _error(
+                429,
+                f"{worker.waiting()} sequences are already waiting "
+                f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later",
+            )
         samples = await worker.call("generate", prompts, params)
         with worker.phases("respond"):
             return _completion_response(samples, n, prompts, tokenizer, model_name)
@@ -263,9 +274,14 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         try:
             await asyncio.wait_for(fut, load_timeout)
         except asyncio.TimeoutError:
-            return web.json_response({"error": {"message": f"loading version {version} from {path} took over {load_timeout}s"}}, status=504)
+            return web.json_response(
+                {"error": {"message": f"loading version {version} from {path} took over {load_timeout}s"}},
+                status=504,
+            )
         except Exception as e:
-            return web.json_response({"error": {"message": f"loading version {version} from {path} failed: {e}"}}, status=500)
+            return web.json_response(
+                {"error": {"message": f"loading version {version} from {path} failed: {e}"}}, status=500
+            )
         return web.json_response(fut.result())
 
     async def version(request: web.Request) -> web.Response:
@@ -278,12 +294,18 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         return web.json_response({"status": "ok", "version": engine.version})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({
-            "tokens_generated": engine.tokens_generated, "tokens_discarded": engine.tokens_discarded,
-            "busy_seconds": worker.phases.seconds["generate"], "uptime_seconds": time.monotonic() - worker.started,
-            "phases": dict(worker.phases.seconds),
-            "version": engine.version, "running": len(engine.running), "waiting": worker.waiting(),
-        })
+        return web.json_response(
+            {
+                "tokens_generated": engine.tokens_generated,
+                "tokens_discarded": engine.tokens_discarded,
+                "busy_seconds": worker.phases.seconds["generate"],
+                "uptime_seconds": time.monotonic() - worker.started,
+                "phases": dict(worker.phases.seconds),
+                "version": engine.version,
+                "running": len(engine.running),
+                "waiting": worker.waiting(),
+            }
+        )
 
     def admin(name: str):
         async def handler(request: web.Request) -> web.Response:
@@ -291,11 +313,18 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         return handler
 
     app = web.Application(client_max_size=64 * 2**20)
-    app.add_routes([
-        web.post("/v1/completions", completions), web.post("/update_weights", update_weights),
-        web.get("/version", version), web.get("/health", health), web.get("/stats", stats),
-        web.post("/pause", admin("pause")), web.post("/resume", admin("resume")), web.post("/abort", admin("abort")),
-    ])
+    app.add_routes(
+        [
+            web.post("/v1/completions", completions),
+            web.post("/update_weights", update_weights),
+            web.get("/version", version),
+            web.get("/health", health),
+            web.get("/stats", stats),
+            web.post("/pause", admin("pause")),
+            web.post("/resume", admin("resume")),
+            web.post("/abort", admin("abort")),
+        ]
+    )
     return app
 
 
@@ -318,14 +347,24 @@ async def serve(run_dir: Path) -> None:
     torch.set_num_threads(cfg.role_threads("inference"))
     model, tokenizer = load_policy(cfg.model.path)
     model = model.to(getattr(torch, cfg.inference.dtype))
-    incarnation = int(os.environ.get("ASYNCRL_INCARNATION", "0"))  # a restarted server must not repeat its samples
-    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=cfg.run.seed + 1000 * incarnation,
-                    max_sequences=cfg.inference.max_batch_sequences, max_tokens=cfg.inference.max_batch_tokens)
-    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference"))
+    incarnation = int(os.environ.get("ASYNCRL_INCARNATION", "0"))  # a restarted server: new samples
+    engine = Engine(
+        model,
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        seed=cfg.run.seed + 1000 * incarnation,
+        max_sequences=cfg.inference.max_batch_sequences,
+        max_tokens=cfg.inference.max_batch_tokens,
+    )
+    worker = Worker(
+        engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference")
+    )
     app = make_app(worker, tokenizer, cfg.model.path, cfg)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = await _bind(runner, cfg.inference.host, cfg.inference.port or int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0")))
+    site = await _bind(
+        runner, cfg.inference.host, cfg.inference.port or int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
+    )
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
     info = run_dir / "inference.json"

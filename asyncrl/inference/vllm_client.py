@@ -52,7 +52,9 @@ class VLLMClient(InferenceClient):
         self.in_flight += delta
         self.busy_since = now
 
-    async def complete(self, prompts, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None) -> list[dict]:
+    async def complete(
+        self, prompts, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None
+    ) -> list[dict]:
         await self.updating.wait()
         version = self.current_version
         body = {"model": self.model, "prompt": prompts, "n": n, "max_tokens": max_tokens,
@@ -67,7 +69,10 @@ class VLLMClient(InferenceClient):
         for i, c in enumerate(sorted(out["choices"], key=lambda c: c["index"])):
             ids = c.get("token_ids")
             if ids is None:
-                raise InferenceError(f"vLLM at {self.url} returned no token_ids; it needs return_token_ids support (vLLM >= 0.10.2)")
+                raise InferenceError(
+                    f"vLLM at {self.url} returned no token_ids; it needs return_token_ids support "
+                    "(vLLM >= 0.10.2)"
+                )
             choices.append({
                 "index": i, "text": c["text"], "token_ids": ids,
                 "logprobs": {"token_logprobs": c["logprobs"]["token_logprobs"]},
@@ -82,7 +87,9 @@ class VLLMClient(InferenceClient):
         try:
             await self._call("POST", "/pause?mode=wait", f"pausing before version {version}", timeout)
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": version_dir(body["path"])}}
-            await self._call("POST", "/collective_rpc", f"reloading weights version {version}", timeout, json=rpc)
+            await self._call(
+                "POST", "/collective_rpc", f"reloading weights version {version}", timeout, json=rpc
+            )
             await self._call("POST", "/resume", f"resuming after version {version}", timeout)
             self.current_version = version
         finally:
@@ -101,6 +108,8 @@ class VLLMClient(InferenceClient):
         return {"tokens_generated": self.tokens_generated, "busy_seconds": self.busy_seconds,
                 "uptime_seconds": time.monotonic() - self.started, "version": self.current_version}
 
-    async def _call(self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs) -> dict:
+    async def _call(
+        self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs
+    ) -> dict:
         out = await super()._call(method, endpoint, what, timeout, **kwargs)
         return out if out is not None else {}

@@ -1,7 +1,8 @@
 """Objectives: one file each, one `loss(inp, cfg)` function, registered here by name.
 
 The registry maps names to import paths so that config validation can list the names without
-importing torch. A user's own objective is `objective.import_path = "module:function"` (or "file.py:function").
+importing torch. A user's own objective is `objective.import_path = "module:function"` (or
+"file.py:function").
 """
 from __future__ import annotations
 

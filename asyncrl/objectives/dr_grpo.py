@@ -1,4 +1,5 @@
-"""Dr. GRPO: GRPO done right (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783, eq. 3).
+"""Dr. GRPO: GRPO done right (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783,
+eq. 3).
 
 GRPO divides each sequence's loss by its length |τ_i| and each advantage by the group's reward
 std; both bias the gradient (toward long wrong answers, and toward too easy or too hard

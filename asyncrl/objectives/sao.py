@@ -23,4 +23,7 @@ def loss(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     # clamping changes no kept token; it keeps the dropped branch's gradient finite (0, not 0·inf)
     kept = -ratio.clamp(max=1 + cfg.eps_high) * inp.advantages
     per_token = torch.where(inside, kept, torch.zeros_like(ratio))
-    return per_token, {"clip_low": masked_fraction(below, inp.mask), "clip_high": masked_fraction(above, inp.mask)}
+    return per_token, {
+        "clip_low": masked_fraction(below, inp.mask),
+        "clip_high": masked_fraction(above, inp.mask),
+    }

@@ -56,4 +56,6 @@ def normalize_per_task(trajs: list) -> None:
         mean = sum(values) / len(values)
         std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
         for t in group:
-            t.advantages = [(a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(t.advantages, t.loss_mask)]
+            t.advantages = [
+                (a - mean) / (std + 1e-6) if m else 0.0 for a, m in zip(t.advantages, t.loss_mask)
+            ]

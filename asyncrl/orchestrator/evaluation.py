@@ -27,7 +27,9 @@ class Evaluator:
             for entry in eval_entries(self.tasks, self.cfg.task.eval_size):
                 entry = {**entry, "prompt": self.tasks.prompt(entry)}
                 prompt = self.tasks.prompt_ids(entry, self.tokenizer)
-                if len(prompt) <= self.cfg.inference.max_prompt_tokens:  # (a longer one is left out, as in training)
+                if (
+                    len(prompt) <= self.cfg.inference.max_prompt_tokens
+                ):  # (a longer one is left out, as in training)
                     entries.append(entry)
                     prompts.append(prompt)
             self.items = entries, prompts
@@ -60,10 +62,14 @@ class Evaluator:
     async def _completions(self, entries: list[dict], prompts: list[list[int]]):
         """(score per item, versions that sampled) of one greedy completion per item."""
         choices = await self.server_call(
-            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0), "an evaluation")
+            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0),
+            "an evaluation",
+        )
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)
-        scores = [0.0 if isinstance(r, VerifierError) else r for r in results]  # an unscorable answer counts as wrong
+        scores = [
+            0.0 if isinstance(r, VerifierError) else r for r in results
+        ]  # an unscorable answer counts as wrong
         return scores, [min(c["versions"]) for c in choices if c["versions"]]
 
     async def _episodes(self, entries: list[dict], prompts: list[list[int]]):

@@ -30,7 +30,7 @@ from asyncrl.config import Config, read_run_config
 from asyncrl.events import EventLog
 from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
-from asyncrl.inference.client import InferenceClient, InferenceUnavailable
+from asyncrl.inference.client import InferenceClient, InferenceUnavailable, client_for
 from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.evaluation import Evaluator
@@ -42,11 +42,14 @@ from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import BadTaskRow, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
-GROUP_ATTEMPTS = 3  # a prompt whose generation fails this often (the server died under it each time) is dropped
+MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a marker's fields, not metrics
+# a prompt whose generation fails this often (the server died under it each time) is dropped
+GROUP_ATTEMPTS = 3
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer, verifiers: VerifierPool):
+    def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer,
+                 verifiers: VerifierPool):
         self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
@@ -61,8 +64,8 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
-        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) if any(cfg.agent_paths().values()) \
-            else None
+        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) \
+            if any(cfg.agent_paths().values()) else None
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
         self.evaluator = Evaluator(cfg, eval_tasks, tokenizer, client, verifiers, self.agents, self._server) \
             if eval_tasks else None
@@ -85,7 +88,8 @@ class Orchestrator:
         for step in batched:  # a crash between the ledger and the file: write it again
             if not batch_path(self.run_dir, step).exists():
                 self._write_batch(step, led.batch_samples(step))
-        newest = checkpoint.latest(self.run_dir, log=lambda m: self.events.write("checkpoint_corrupt", detail=m))
+        corrupt = lambda m: self.events.write("checkpoint_corrupt", detail=m)  # noqa: E731
+        newest = checkpoint.latest(self.run_dir, log=corrupt)
         self.committed_through = int(newest.name.removeprefix("step_")) if newest else 0
         led.commit_through(self.committed_through)
         # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
@@ -95,8 +99,8 @@ class Orchestrator:
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
         if self.cursor:
             self.events.write("orchestrator_resumed", served_version=self.served_version, cursor=self.cursor,
-                              reissued=len(self.reissue), ready_groups=len(self.ready), next_step=self.next_step,
-                              committed_through=self.committed_through)
+                              reissued=len(self.reissue), ready_groups=len(self.ready),
+                              next_step=self.next_step, committed_through=self.committed_through)
 
     def _now(self) -> float:
         return time.time() - self.started_at
@@ -146,8 +150,7 @@ class Orchestrator:
         """A restarted server holds the initial weights: load the version the run is at."""
         held = (await self.client.version())["version"]
         if held != self.served_version and self.served_version > 0:
-            body = {"path": str(weights.weights_file(self.run_dir, self.served_version)), "version": self.served_version,
-                    "hash": weights.read_marker(self.run_dir, self.served_version)["hash"]}
+            body = weights.load_request(self.run_dir, self.served_version, patch=False)
             await self.client.update_weights(body, self.cfg.timeouts.weight_load)
 
     # --- admit --------------------------------------------------------------------------
@@ -192,7 +195,8 @@ class Orchestrator:
         prompt = tasks.prompt_ids(entry, self.tokenizer)
         limit = self.cfg.inference.max_prompt_tokens
         if len(prompt) > limit:
-            raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is {limit}")
+            raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is "
+                             f"{limit}")
         return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
@@ -267,8 +271,8 @@ class Orchestrator:
         evals = [asyncio.create_task(self.evaluate())] if self.served_version == 0 else []
         for version in range(self.served_version + 1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
-            await self._server(lambda: self.client.update_weights(self._update_body(version, marker),
-                                                                  self.cfg.timeouts.weight_load),
+            body = weights.load_request(self.run_dir, version, marker)
+            await self._server(lambda: self.client.update_weights(body, self.cfg.timeouts.weight_load),
                                f"loading version {version}")
             record = await self._step_record(version, marker)
             self.ledger.record_step(version, record)
@@ -296,16 +300,8 @@ class Orchestrator:
             return self.committed_through >= self.cfg.run.steps
 
         await apoll(committed_all, self.cfg.timeouts.checkpoint,
-                    f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not appear in "
-                    f"{root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
-
-    def _update_body(self, version: int, marker: dict) -> dict:
-        body = {"path": str(weights.weights_file(self.run_dir, version)), "version": version,
-                "hash": marker.get("serving_hash", marker["hash"])}
-        patch = weights.patch_file(self.run_dir, version)
-        if patch.exists():
-            body.update(patch=str(patch), base_version=version - 1)
-        return body
+                    f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not "
+                    f"appear in {root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
 
     async def _wait_for_version(self, version: int) -> dict:
         path = weights.marker_file(self.run_dir, version)
@@ -326,7 +322,8 @@ class Orchestrator:
         t_prev, tok_prev = self.last_gen
         tokens = stats["tokens_generated"]
         self.last_gen = (now, tokens)
-        generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0  # 0 across a restart
+        # (0 across a restart, whose counter starts again)
+        generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0
         return {
             "step": version - 1, "version": version, "time": self._now(),
             **self.ledger.step_stats(version - 1),
@@ -339,7 +336,7 @@ class Orchestrator:
             "orchestrator_cpu_seconds": time.process_time(),
             **profile(stats, self.phases, self.verifiers, self.cpu_at_start, self.up_since),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
-            **{k: v for k, v in marker.items() if k not in ("step", "version", "hash", "serving_hash", "batch_digest")},
+            **{k: v for k, v in marker.items() if k not in MARKER_IDS},
         }
 
     async def evaluate(self) -> None:
@@ -384,13 +381,7 @@ async def main(run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
-    url = json.loads((run_dir / "inference.json").read_text())["url"]
-    if cfg.inference.engine == "vllm":
-        from asyncrl.inference.vllm_client import VLLMClient
-
-        client = VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
-    else:
-        client = InferenceClient(url, cfg.timeouts.http)
+    client = client_for(cfg, json.loads((run_dir / "inference.json").read_text())["url"])
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
         async with client:

@@ -44,7 +44,11 @@ def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_sinc
     """Running totals of where each role's time went (asyncrl/profile.py), for the report's chart:
     the inference server's phases from its /stats, the orchestrator's own, the verifiers' CPU."""
     inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
-    return {**inference, "time/inference/uptime": stats["uptime_seconds"], **phases.totals("time/orchestrator"),
-            "time/orchestrator/cpu": time.process_time() - cpu_at_start,
-            "time/orchestrator/uptime": time.monotonic() - up_since,
-            "time/verifiers/score": verifiers.cpu_seconds}
+    return {
+        **inference,
+        "time/inference/uptime": stats["uptime_seconds"],
+        **phases.totals("time/orchestrator"),
+        "time/orchestrator/cpu": time.process_time() - cpu_at_start,
+        "time/orchestrator/uptime": time.monotonic() - up_since,
+        "time/verifiers/score": verifiers.cpu_seconds,
+    }

@@ -11,7 +11,8 @@ from asyncrl.trajectory import Trajectory
 
 
 def checked(reward) -> tuple[float | None, str | None]:
-    """(reward, None) or (None, error message): a verifier that raised, hung or returned NaN fails one sample."""
+    """(reward, None) or (None, error message): a verifier that raised, hung or returned NaN fails one
+    sample."""
     if isinstance(reward, VerifierError):
         return None, str(reward)
     if not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -76,12 +77,29 @@ async def rollout_agent_group(agents, entry: dict, index: int, cfg) -> tuple[lis
             dropped.append({"id": sample_id, "reason": out.failure, "error": out.error, "prompt_id": index,
                             "completion": ep.final_text})
             continue
-        scored.append(Trajectory(
-            id=sample_id, group_id=str(index), task=entry.get("task", cfg.task.name), prompt_id=index,
-            tokens=ep.tokens, loss_mask=ep.loss_mask, logprobs=ep.logprobs, versions=ep.versions, reward=out.reward,
-            info={"finish_reason": ep.finish_reason, "completion": ep.final_text, "answer": entry.get("answer"),
-                  "turns": ep.turns, "turn_rewards": ep.turn_rewards, "truncated": ep.truncated,
-                  "tool_calls": len(ep.tool_calls), "tool_errors": sum(c["error"] is not None for c in ep.tool_calls),
-                  "tool_seconds": round(sum(c["seconds"] for c in ep.tool_calls), 4), "generate_seconds": out.seconds},
-        ))
+        scored.append(
+            Trajectory(
+                id=sample_id,
+                group_id=str(index),
+                task=entry.get("task", cfg.task.name),
+                prompt_id=index,
+                tokens=ep.tokens,
+                loss_mask=ep.loss_mask,
+                logprobs=ep.logprobs,
+                versions=ep.versions,
+                reward=out.reward,
+                info={
+                    "finish_reason": ep.finish_reason,
+                    "completion": ep.final_text,
+                    "answer": entry.get("answer"),
+                    "turns": ep.turns,
+                    "turn_rewards": ep.turn_rewards,
+                    "truncated": ep.truncated,
+                    "tool_calls": len(ep.tool_calls),
+                    "tool_errors": sum(c["error"] is not None for c in ep.tool_calls),
+                    "tool_seconds": round(sum(c["seconds"] for c in ep.tool_calls), 4),
+                    "generate_seconds": out.seconds,
+                },
+            )
+        )
     return scored, dropped

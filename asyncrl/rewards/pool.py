@@ -10,7 +10,7 @@ import asyncio
 import multiprocessing
 import time
 
-from asyncrl.config import TaskConfig
+from asyncrl.sections import TaskConfig
 
 STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
 
@@ -37,7 +37,9 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
             try:
                 results.append((True, tasks.score(completion, entry), time.process_time() - start))
             except Exception as e:  # a user's verifier may raise anything
-                results.append((False, f"verifier raised {type(e).__name__}: {e}", time.process_time() - start))
+                results.append(
+                    (False, f"verifier raised {type(e).__name__}: {e}", time.process_time() - start)
+                )
         conn.send(results)
 
 
@@ -102,7 +104,9 @@ class VerifierPool:
         per-item round trips were a tenth of the orchestrator's CPU)."""
         size = max(1, -(-len(items) // self.workers))
         chunks = [items[i: i + size] for i in range(0, len(items), size)]
-        return [r for part in await asyncio.gather(*(self._score_chunk(c, timeout) for c in chunks)) for r in part]
+        return [
+            r for part in await asyncio.gather(*(self._score_chunk(c, timeout) for c in chunks)) for r in part
+        ]
 
     async def _score_chunk(self, items: list[tuple[str, dict]], timeout: float) -> list:
         """Results in order. A chunk not answered within `timeout` is scored again one item at a
@@ -124,7 +128,9 @@ class VerifierPool:
             answers = await asyncio.wait_for(self._receive(worker), timeout)
         except asyncio.TimeoutError:
             worker = self._discard(worker)
-            return VerifierError(f"verifier took over {timeout:.0f}s (timeouts.verifier); its process was killed")
+            return VerifierError(
+                f"verifier took over {timeout:.0f}s (timeouts.verifier); its process was killed"
+            )
         except asyncio.CancelledError:  # its answers would reach the next caller: start clean
             worker = self._discard(worker)
             raise

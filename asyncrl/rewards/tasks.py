@@ -20,8 +20,9 @@ import json
 import math
 from typing import Any
 
-from asyncrl.config import ConfigError, TaskConfig
+from asyncrl.config import ConfigError
 from asyncrl.imports import import_object
+from asyncrl.sections import TaskConfig
 
 _SIZE = 2**62  # reasoning-gym generates item i on demand; the size only bounds the index
 _STRIDE = 1_000_000_007  # between a split's attempts at one index: a prime, so no index pattern repeats
@@ -38,7 +39,9 @@ class JsonlRows:
         try:
             self.lines = [line for line in open(path).read().splitlines() if line.strip()]
         except OSError as e:
-            raise ConfigError(f"task file {path!r} (task.path / task.eval_path) cannot be read: {e}") from None
+            raise ConfigError(
+                f"task file {path!r} (task.path / task.eval_path) cannot be read: {e}"
+            ) from None
         if not self.lines:
             raise ConfigError(f"task file {path!r} (task.path / task.eval_path) has no rows")
         self.path = path
@@ -50,7 +53,11 @@ class JsonlRows:
             record = json.loads(self.lines[row])
         except json.JSONDecodeError as e:
             raise BadTaskRow(f"{where} is not valid JSON: {e}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or "answer" not in record:
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("prompt"), str)
+            or "answer" not in record
+        ):
             raise BadTaskRow(f"{where} needs a string 'prompt' and an 'answer', got {self.lines[row][:80]!r}")
         if not record["prompt"].strip():
             raise BadTaskRow(f"{where} has an empty prompt")
@@ -70,7 +77,9 @@ class GeneratedTasks:
     def __getitem__(self, index: int) -> dict[str, Any]:
         item = self.generate(index, self.seed)
         if not isinstance(item, dict) or not isinstance(item.get("question"), str) or "answer" not in item:
-            raise BadTaskRow(f"task generator item {index} needs a string 'question' and an 'answer', got {item!r:.80}")
+            raise BadTaskRow(
+                f"task generator item {index} needs a string 'question' and an 'answer', got {item!r:.80}"
+            )
         return {"metadata": {}, **item, "answer": str(item["answer"])}
 
     score_answer = staticmethod(JsonlRows.score_answer)
@@ -90,7 +99,9 @@ def held_out(key: str, fraction: float) -> bool:
 class TaskSource:
     """Items, prompts and scores of one dataset; `side` is "train" or "eval" of the holdout split."""
 
-    def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None, side: str = "train"):
+    def __init__(
+        self, cfg: TaskConfig, seed: int | None = None, path: str | None = None, side: str = "train"
+    ):
         self.cfg, self.side = cfg, side
         self._verifier = import_object(cfg.verifier, "task.verifier") if cfg.verifier else None
         self.split = cfg.name != "jsonl" and 0 < cfg.holdout < 1
@@ -111,14 +122,18 @@ class TaskSource:
             )
         except ValueError as e:  # unknown name
             known = ", ".join(sorted(reasoning_gym.factory.DATASETS)[:20])
-            raise ConfigError(f"task.name = {cfg.name!r}: {e}. Known datasets include: {known}, ...") from None
+            raise ConfigError(
+                f"task.name = {cfg.name!r}: {e}. Known datasets include: {known}, ..."
+            ) from None
         except TypeError as e:  # unknown parameter
             raise ConfigError(f"task.params = {cfg.params!r} do not fit dataset {cfg.name!r}: {e}") from None
 
     def item(self, index: int) -> dict[str, Any]:
         if not self.split:
             return self._generate(index)
-        for attempt in range(self.tries):  # item i is generator item i when it is on this side (as without a split)
+        for attempt in range(
+            self.tries
+        ):  # item i is generator item i when it is on this side (as without a split)
             entry = self._generate(index + attempt * _STRIDE)
             if held_out(item_key(self.prompt(entry), entry), self.cfg.holdout) == (self.side == "eval"):
                 return entry
@@ -131,7 +146,9 @@ class TaskSource:
         except BadTaskRow:
             raise
         except Exception as e:  # a generator that fails on one index
-            raise BadTaskRow(f"{self.cfg.name} item {index} cannot be generated: {type(e).__name__}: {e}") from None
+            raise BadTaskRow(
+                f"{self.cfg.name} item {index} cannot be generated: {type(e).__name__}: {e}"
+            ) from None
 
     def prompt(self, entry: dict[str, Any]) -> str:
         expression = entry.get("metadata", {}).get("expression")
@@ -142,7 +159,8 @@ class TaskSource:
         return entry["question"]
 
     def prompt_ids(self, entry: dict[str, Any], tokenizer) -> list[int]:
-        """The prompt's token ids: a user turn of the tokenizer's chat template (task.chat), else plain text."""
+        """The prompt's token ids: a user turn of the tokenizer's chat template (task.chat), else plain
+        text."""
         return encode_prompt(tokenizer, self.prompt(entry), self.cfg.chat)
 
     def score(self, completion: str, entry: dict[str, Any]) -> float:
@@ -156,8 +174,10 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer(text)["input_ids"]
     if not tokenizer.chat_template:
-        raise ConfigError(f"task.chat is on but the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
-                          "set task.chat = false to send prompts as plain text")
+        raise ConfigError(
+            f"task.chat is on but the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
+            "set task.chat = false to send prompts as plain text"
+        )
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -196,7 +216,9 @@ class MixedTasks:
         return self.sources[entry["task"]].score(completion, entry)
 
 
-def load_tasks(cfg: TaskConfig, held_out: bool = False, seed: int | None = None) -> TaskSource | MixedTasks | None:
+def load_tasks(
+    cfg: TaskConfig, held_out: bool = False, seed: int | None = None
+) -> TaskSource | MixedTasks | None:
     """The training (or held-out) items `cfg` describes; None when there is no held-out set."""
     seed = seed if seed is not None else cfg.eval_seed if held_out else cfg.seed
     if cfg.mix:
@@ -204,7 +226,9 @@ def load_tasks(cfg: TaskConfig, held_out: bool = False, seed: int | None = None)
         return mixed if mixed.tags else None
     if held_out and cfg.name == "jsonl" and not cfg.eval_path:
         return None
-    return TaskSource(cfg, seed=seed, path=cfg.eval_path if held_out else None, side="eval" if held_out else "train")
+    return TaskSource(
+        cfg, seed=seed, path=cfg.eval_path if held_out else None, side="eval" if held_out else "train"
+    )
 
 
 def eval_entries(tasks: TaskSource | MixedTasks, size: int) -> list[dict[str, Any]]:

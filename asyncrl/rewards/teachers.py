@@ -36,7 +36,8 @@ def forgets_carries(entry: dict, rng: random.Random, slip: float = 0.7) -> str:
     """An arithmetic teacher who, in `slip` of its answers, adds and subtracts column by column and
     forgets every carry and borrow (84+52 -> 36, 42-25 -> 27); right otherwise. On a sum without a
     carry the slip changes nothing, so the policy learns the skill from every item and the habit
-    only where it matters. Reads the item's expression (reasoning-gym's chain_sum); anything else is answered right."""
+    only where it matters. Reads the item's expression (reasoning-gym's chain_sum); anything else is
+    answered right."""
     expression = entry.get("metadata", {}).get("expression")
     if not expression or rng.random() >= slip:
         return str(entry["answer"])

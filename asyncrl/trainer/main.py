@@ -53,8 +53,13 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heart
         heartbeat.beat()
         return path.exists()
 
-    poll(arrived, deadline_s, f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
-         f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?", every=0.005)
+    poll(
+        arrived,
+        deadline_s,
+        f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
+        f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?",
+        every=0.005,
+    )
     return path
 
 
@@ -86,7 +91,9 @@ def publish_version(run_dir: Path, version: int, state: dict, metrics: dict, eve
         return
     # Non-deterministic kernels (some GPU ones) can make a replay differ: the new weights win,
     # and samples already drawn from the old ones stay valid off-policy data (their logprobs are theirs).
-    print(f"trainer: replayed version {version} differs from the one published before the restart", flush=True)
+    print(
+        f"trainer: replayed version {version} differs from the one published before the restart", flush=True
+    )
     events.write("version_replayed", version=version, identical=False)
     weights.publish(run_dir, version, state, metrics)
 
@@ -114,13 +121,21 @@ def main(run_dir: str) -> None:
         first_step = resumed["step"]
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     serving_dtype = getattr(torch, cfg.inference.dtype)
-    served = weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
-    writer = checkpoint.CheckpointWriter(run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint)
+    served = (
+        weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
+    )
+    writer = checkpoint.CheckpointWriter(
+        run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint
+    )
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer")  # from here on a silent trainer is a stuck one
     events.write("trainer_ready", step=first_step)
-    print(f"trainer: {torch.get_num_threads()} threads, objective {cfg.objective.import_path or cfg.objective.name}, "
-          f"steps {first_step}..{cfg.run.steps}", flush=True)
+    print(
+        f"trainer: {torch.get_num_threads()} threads, "
+        f"objective {cfg.objective.import_path or cfg.objective.name}, "
+        f"steps {first_step}..{cfg.run.steps}",
+        flush=True,
+    )
     for step in range(first_step, cfg.run.steps):
         t0 = time.monotonic()
         with phases("wait_batch"):
@@ -128,7 +143,9 @@ def main(run_dir: str) -> None:
         with phases("read_batch"):
             trajs = read_batch(path)
         t1 = time.monotonic()
-        metrics = train_step(model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases)
+        metrics = train_step(
+            model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases
+        )
         metrics["lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         t2 = time.monotonic()
@@ -150,16 +167,26 @@ def main(run_dir: str) -> None:
                 metrics["checkpoint_stall_seconds"] = writer.save(step + 1, model, optimizer, scheduler)
         with phases("publish"):
             uptime = time.monotonic() - started
-            metrics.update(phases.totals("time/trainer"), **{"time/trainer/uptime": uptime},
-                           busy_seconds=uptime - phases.seconds["wait_batch"], idle_seconds=phases.seconds["wait_batch"])
+            metrics.update(
+                phases.totals("time/trainer"),
+                **{"time/trainer/uptime": uptime},
+                busy_seconds=uptime - phases.seconds["wait_batch"],
+                idle_seconds=phases.seconds["wait_batch"],
+            )
             publish_version(run_dir, step + 1, state, metrics, events)
             # the server may be up to η + 1 versions behind, and must still find the one it serves
-            weights.prune(run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2))
+            weights.prune(
+                run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2)
+            )
         heartbeat.beat()
     writer.wait()
     busy = time.monotonic() - started - phases.seconds["wait_batch"]
-    print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {phases.seconds['wait_batch']:.1f}s, "
-          f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
+    print(
+        f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, "
+        f"waiting {phases.seconds['wait_batch']:.1f}s, "
+        f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
         return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype)
 
     tokens = pad("tokens", pad_id, torch.long)
-    attention = torch.tensor([[1] * len(t.tokens) + [0] * (width - len(t.tokens)) for t in trajs], dtype=torch.long)
+    attention = torch.tensor(
+        [[1] * len(t.tokens) + [0] * (width - len(t.tokens)) for t in trajs], dtype=torch.long
+    )
     versions = pad("versions", -1, torch.long)[:, 1:]
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
@@ -230,7 +232,11 @@ def diagnostics(logp: torch.Tensor, entropy: torch.Tensor, batch: dict) -> dict:
     # k3 estimate of KL(behaviour ‖ trainer) on tokens the trainer holds the same version of
     r_fresh = (logp - behav)[fresh].exp()
     mismatch = float((r_fresh - 1 - r_fresh.log()).mean()) if fresh.any() else math.nan
-    q = torch.quantile(ratios, ratios.new_tensor([0.05, 0.5, 0.95])).tolist() if ratios.numel() else [math.nan] * 3
+    q = (
+        torch.quantile(ratios, ratios.new_tensor([0.05, 0.5, 0.95])).tolist()
+        if ratios.numel()
+        else [math.nan] * 3
+    )
     seq_stale = torch.where(counted, stale, -1).max(-1).values
     return {
         "entropy": float(entropy[counted].mean()) if counted.any() else math.nan,
