@@ -37,7 +37,9 @@ async def agent(task: dict, ctx):
     client = ctx.openai()
     messages = [{"role": "user", "content": task["prompt"].rstrip("=")}]
     for _ in range(3):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=[calc.schema])
+        response = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[calc.schema]
+        )
         message = response.choices[0].message
         messages.append(message)
         if not message.tool_calls:

@@ -73,5 +73,8 @@ class GuessWithRules(Guess):
     """The same game with its rules spelled out, for a chat model that was never warm-started on it."""
 
     async def reset(self, task: dict) -> str:
-        return ("I picked a whole number from 1 to 15. Reply with only your guess; after each wrong guess I reply "
-                "with the range that is still possible. Range: " + await super().reset(task))
+        return (
+            "I picked a whole number from 1 to 15. Reply with only your guess; after each wrong guess "
+            "I reply "
+            "with the range that is still possible. Range: " + await super().reset(task)
+        )
