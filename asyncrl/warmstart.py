@@ -103,7 +103,7 @@ def recipe(cfg: Config) -> dict:
     changes."""
     return cfg.model_dump(mode="json", include={
         "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"},
-        "task": {"name", "params", "prompt_format", "chat", "holdout", "seed"}})
+        "task": {"name", "params", "prompt_format", "chat", "holdout"}})
 
 
 def is_current(cfg: Config, model_dir: str | Path) -> bool:
@@ -129,8 +129,9 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     torch.set_num_threads(ws.threads)
     torch.manual_seed(ws.seed)
     rng = random.Random(ws.seed)
-    # Supervised data comes from a seed of its own, apart from RL (task.seed) and eval (task.eval_seed).
-    train_tasks = load_tasks(cfg.task, seed=cfg.task.seed + 7919)
+    # Supervised data comes from the warm start's own seed, apart from RL's (task.seed) and eval's
+    # (task.eval_seed) streams, so reseeding an RL run reuses its policy instead of rebuilding it.
+    train_tasks = load_tasks(cfg.task, seed=ws.seed + 7920)
     eval_tasks = load_tasks(cfg.task, held_out=True) or train_tasks
     demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
     teacher = _teacher(ws)

@@ -77,8 +77,12 @@ def test_auto_thread_split():
 def test_example_recipes_load():
     from pathlib import Path
 
-    for path in sorted((Path(__file__).parent.parent / "examples").glob("*.toml")):
+    examples = Path(__file__).parent.parent / "examples"
+    for path in sorted(examples.glob("*.toml")):
         load_config(path)
+    # the spelled-out demo is the defaults (else it would warm-start a policy of its own)
+    spelled, defaults = load_config(examples / "tiny_default.toml"), load_config()
+    assert spelled.model_dump(exclude={"run": {"name"}}) == defaults.model_dump(exclude={"run": {"name"}})
 
 
 def test_rules_across_sections():
@@ -100,3 +104,13 @@ def test_rules_across_sections():
         load_config(overrides=["--rollout.group_size", "1"])
     with pytest.raises(ConfigError, match="update_policy = 'finish'"):
         load_config(overrides=["--inference.engine", "vllm"])
+
+
+def test_the_warm_start_recipe_ignores_the_rl_run_seeds():
+    """Reseeding an RL run must reuse the default policy; changing what it learned from rebuilds it."""
+    from asyncrl.warmstart import recipe
+
+    base = recipe(load_config())
+    assert recipe(load_config(overrides=["--task.seed", "1001", "--run.seed", "3"])) == base
+    assert recipe(load_config(overrides=["--warmstart.seed", "1"])) != base
+    assert recipe(load_config(overrides=["--task.prompt_format", "question"])) != base
