@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=192)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latencies", default="0,50,500")
-    parser.add_argument("--model", default=str(ROOT / "models/tiny-chain-sum"))
+    parser.add_argument("--model", default=str(ROOT / "models/tiny-default"))
     args = parser.parse_args()
 
     import torch

@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", default=None)
-    parser.add_argument("--tiny-model", default="models/tiny-chain-sum")
+    parser.add_argument("--tiny-model", default="models/tiny-default")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())

@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per run (default: enough for six kills 15 s apart: tiny 700, 20M 110)")
     parser.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
-    parser.add_argument("--tiny-model", default="models/tiny-chain-sum")
+    parser.add_argument("--tiny-model", default="models/tiny-default")
     args = parser.parse_args()
     root = OUT / "runs"
     paths = {"tiny": args.tiny_model}

@@ -40,7 +40,7 @@ RUNS = OUT / "runs"
 
 # The default CPU job, and a reversal task whose answer lengths are long-tailed (examples/long_tail.py).
 WORKLOADS = {
-    "uniform": {"model": "models/tiny-chain-sum", "steps": 200, "overrides": []},
+    "uniform": {"model": "models/tiny-default", "steps": 200, "overrides": []},
     "long_tail": {"model": "models/tiny-reverse", "steps": 120, "overrides": [
         "--task.name", "examples/long_tail.py:reverse_digits", "--rollout.max_tokens", "34",
         "--inference.max_prompt_tokens", "64", "--trainer.lr", "1e-4", "--warmstart.steps", "250",
