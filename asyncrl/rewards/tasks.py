@@ -131,9 +131,8 @@ class TaskSource:
     def item(self, index: int) -> dict[str, Any]:
         if not self.split:
             return self._generate(index)
-        for attempt in range(
-            self.tries
-        ):  # item i is generator item i when it is on this side (as without a split)
+        # item i is generator item i when it is on this side (as without a split)
+        for attempt in range(self.tries):
             entry = self._generate(index + attempt * _STRIDE)
             if held_out(item_key(self.prompt(entry), entry), self.cfg.holdout) == (self.side == "eval"):
                 return entry

@@ -1,0 +1,63 @@
+"""The held-out split, the default verifier and the warm start's teacher (deterministic)."""
+import random
+
+from asyncrl.config import load_config
+from asyncrl.rewards.tasks import eval_entries, item_key, load_tasks
+from asyncrl.rewards.teachers import drops_overflow
+from asyncrl.rewards.verifiers import last_number
+
+
+def keys(tasks, entries):
+    return {item_key(tasks.prompt(e), e) for e in entries}
+
+
+def test_held_out_items_are_never_drawn_for_training_or_the_warm_start():
+    cfg = load_config().task
+    held = load_tasks(cfg, held_out=True)
+    evaluated = eval_entries(held, 500)
+    assert len(keys(held, evaluated)) == len(evaluated) == 500  # distinct
+    for seed in (cfg.seed, 7920, 12345):  # RL's stream, the warm start's, any other
+        train = load_tasks(cfg, seed=seed)
+        drawn = keys(train, [train.item(i) for i in range(3000)])
+        assert not drawn & keys(held, evaluated)
+    # without the split, two generator seeds share items: the reason it exists
+    unsplit = cfg.model_copy(update={"holdout": 0.0})
+    a, b = load_tasks(unsplit, seed=1), load_tasks(unsplit, seed=2)
+    assert keys(a, [a.item(i) for i in range(2000)]) & keys(b, [b.item(i) for i in range(2000)])
+
+
+def test_the_split_holds_out_about_its_share_of_distinct_items():
+    cfg = load_config().task
+    train, held = load_tasks(cfg, seed=3), load_tasks(cfg, held_out=True)
+    train_keys = keys(train, [train.item(i) for i in range(20000)])
+    held_keys = keys(held, eval_entries(held, 2000))
+    share = len(held_keys) / (len(held_keys) + len(train_keys))
+    assert 0.07 < share < 0.13, share  # 8,100 sums, ~10% held out
+
+
+def test_last_number_scores_only_the_final_integer():
+    entry = {"answer": 136}
+    assert last_number("136", entry) == 1.0
+    assert last_number("84+52=136", entry) == 1.0
+    assert last_number("136, no: 36", entry) == 0.0
+    assert last_number("1360", entry) == 0.0 and last_number("", entry) == 0.0
+    assert last_number("so -17", {"answer": "-17"}) == 1.0
+
+
+class Always(random.Random):
+    def __init__(self, value: float):
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_drops_overflow_slips_only_in_the_first_token():
+    item = {"answer": "136", "metadata": {"expression": "84 + 52"}}
+    assert drops_overflow(item, Always(0.0)) == "36"  # a slip: the carry out of the tens is dropped
+    assert drops_overflow(item, Always(0.99)) == "136"  # no slip
+    no_carry = {"answer": "96", "metadata": {"expression": "84 + 12"}}
+    assert drops_overflow(no_carry, Always(0.0)) == "96"  # nothing to drop
+    assert drops_overflow({"answer": "-17", "metadata": {"expression": "25 - 42"}}, Always(0.0)) == "17"
+    assert drops_overflow({"answer": "7"}, Always(0.0)) == "7"  # no expression: answered right
