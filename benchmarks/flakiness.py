@@ -124,9 +124,15 @@ def main() -> None:
     parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
     parser.add_argument("--runs", type=int, default=10, help="test runs in all (two at a time)")
     parser.add_argument("--out", default=str(RESULTS / "flakiness"))
+    parser.add_argument("--models", help="a folder with tiny/ and calc/ from an earlier run (skips building)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="asyncrl-flaky-"))
-    env = {**os.environ, **build_models(workdir)}
+    models = (
+        {"ASYNCRL_TEST_MODEL": f"{args.models}/tiny", "ASYNCRL_TEST_CALC_MODEL": f"{args.models}/calc"}
+        if args.models
+        else build_models(workdir)
+    )
+    env = {**os.environ, **models}
     records_path = workdir / "records.jsonl"
     failures: dict[str, int] = {}
     start = time.monotonic()
