@@ -44,6 +44,15 @@ def test_bad_value_names_key_value_and_constraint():
     assert "rollout.max_staleness" in msg and "-1" in msg and "greater than or equal to 0" in msg
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_inf_and_nan_are_rejected_like_any_bad_value(value):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--trainer.lr", value])
+    assert "trainer.lr" in str(err.value) and "finite" in str(err.value)
+    with pytest.raises(ConfigError):
+        load_config(overrides=["--objective.eps_high", value])
+
+
 def test_bad_choice_lists_allowed_values():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["--objective.name", "ppo_clipp"])
