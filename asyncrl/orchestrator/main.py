@@ -200,19 +200,22 @@ class Orchestrator:
         return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
+        try:
+            await self._generate_group(index, entry, prompt)
+        finally:  # free the slot before admission hears of it, or it waits for the next event
+            self.in_flight.discard(asyncio.current_task())
+            await self._notify()
+
+    async def _generate_group(self, index: int, entry: dict, prompt: list[int]) -> None:
         if self.agents and self.agents.agent_for(entry):
             generate = lambda: rollout_agent_group(self.agents, entry, index, self.cfg)  # noqa: E731
         else:
             generate = lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
         try:
             group, dropped = await self._server(generate, f"prompt {index}")
-        except InferenceUnavailable as e:
-            self.failure = RuntimeError(f"orchestrator: prompt {index} failed {GROUP_ATTEMPTS} times: {e}")
-            await self._notify()
-            return
-        except Exception as e:  # every waiting loop must hear of it
-            self.failure = e
-            await self._notify()
+        except Exception as e:  # every waiting loop hears of it (_run_group notifies)
+            self.failure = e if not isinstance(e, InferenceUnavailable) else RuntimeError(
+                f"orchestrator: prompt {index} failed {GROUP_ATTEMPTS} times: {e}")
             return
         for d in dropped:
             self.events.write("sample_dropped", **{k: v for k, v in d.items() if k != "id"}, sample=d["id"])
@@ -227,7 +230,6 @@ class Orchestrator:
             self.ready.append(group)
         else:
             self.gate.release()
-        await self._notify()
 
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
