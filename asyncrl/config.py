@@ -12,6 +12,7 @@ from typing import Any
 import tomllib
 from pydantic import BaseModel, ValidationError, model_validator
 
+from asyncrl.files import write_atomic
 from asyncrl.sections import (
     AgentConfig,
     InferenceConfig,
@@ -193,7 +194,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    write_atomic(path, json.dumps(cfg.model_dump(mode="json"), indent=2))
 
 
 # Keys that change how a run is executed but not what it computes: free to change on resume.

@@ -38,10 +38,23 @@ def prepare_run_dir(cfg: Config) -> Path:
                 f"run directory {run_dir} already exists; choose another --run.name or pass "
                 "--run.overwrite true"
             )
+        if any(run_dir.iterdir()) and not is_run_dir(run_dir):
+            raise ConfigError(f"--run.overwrite: {run_dir} is not an asyncrl run directory (it has no run "
+                              "config.json); refusing to delete it")
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     save_config(cfg, run_dir / "config.json")
     return run_dir
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` holds an asyncrl run (what --run.overwrite may delete): the config.json every run
+    writes before anything else."""
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"run", "rollout", "trainer"} <= saved.keys()
 
 
 def check_inputs(cfg: Config, log=print) -> None:

@@ -14,7 +14,8 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = "demo"
+    # a plain name: the run directory is run.root/name, and --run.overwrite deletes it
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
     root: str = "runs"
     seed: int = 0
     steps: int = Field(200, ge=1, description="training steps (versions published)")

@@ -123,3 +123,28 @@ def test_the_warm_start_recipe_ignores_the_rl_run_seeds():
     assert recipe(load_config(overrides=["--task.seed", "1001", "--run.seed", "3"])) == base
     assert recipe(load_config(overrides=["--warmstart.seed", "1"])) != base
     assert recipe(load_config(overrides=["--task.prompt_format", "question"])) != base
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/", "a/b", "../x", "", "x y"])
+def test_run_name_is_a_plain_name(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["--run.name", name])
+    assert "run.name" in str(err.value)
+
+
+def test_overwrite_deletes_only_an_asyncrl_run(tmp_path):
+    from asyncrl.launcher import prepare_run_dir
+
+    precious = tmp_path / "runs" / "thesis"
+    precious.mkdir(parents=True)
+    (precious / "chapter1.tex").write_text("...")
+    cfg = load_config(overrides=["--run.root", str(tmp_path / "runs"), "--run.name", "thesis",
+                                 "--run.overwrite", "true"])
+    with pytest.raises(ConfigError, match="not an asyncrl run directory"):
+        prepare_run_dir(cfg)
+    assert (precious / "chapter1.tex").exists()
+    (precious / "chapter1.tex").unlink()
+    prepare_run_dir(cfg)  # an empty directory, then a run's own directory, are replaced
+    (precious / "leftover").write_text("x")
+    prepare_run_dir(cfg)
+    assert not (precious / "leftover").exists() and (precious / "config.json").exists()
