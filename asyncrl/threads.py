@@ -44,7 +44,7 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
 
     model, tokenizer = load_policy(cfg.model.path)
     tasks, ro = load_tasks(cfg.task), cfg.rollout
-    prompts = [tasks.prompt_ids(tasks.item(i), tokenizer) for i in range(ro.prompts_per_step)]
+    prompts = _first_prompts(tasks, tokenizer, ro.prompts_per_step)
     prompts = [p for p in prompts for _ in range(ro.group_size)]
     params = SamplingParams(ro.max_tokens, ro.temperature, ro.top_p)
     rates = {}
@@ -56,6 +56,21 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
         trajs = _trajectories(prompts, samples, ro.group_size)
         rates[n] = {"generate": generate, "train": _time_training(cfg, model, tokenizer.pad_token_id, trajs)}
     return rates
+
+
+def _first_prompts(tasks, tokenizer, count: int) -> list[list[int]]:
+    """The first `count` prompts the run will train on, bad rows skipped as the orchestrator skips them."""
+    from asyncrl.rewards.tasks import BadTaskRow
+
+    prompts = []
+    for index in range(20 * count):
+        try:
+            prompts.append(tasks.prompt_ids(tasks.item(index), tokenizer))
+        except BadTaskRow:
+            continue
+        if len(prompts) == count:
+            break
+    return prompts
 
 
 def _best_of(call):

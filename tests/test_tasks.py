@@ -61,3 +61,19 @@ def test_drops_overflow_slips_only_in_the_first_token():
     assert drops_overflow(no_carry, Always(0.0)) == "96"  # nothing to drop
     assert drops_overflow({"answer": "-17", "metadata": {"expression": "25 - 42"}}, Always(0.0)) == "17"
     assert drops_overflow({"answer": "7"}, Always(0.0)) == "7"  # no expression: answered right
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row_naming_file_row_and_characters(tmp_path):
+    import pytest
+
+    from asyncrl.model import build_char_tokenizer
+    from asyncrl.rewards.tasks import BadTaskRow
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "12+3=", "answer": 15}\n{"prompt": "１2+3🙂=", "answer": 15}\n')
+    cfg = load_config(overrides=["--task.name", "jsonl", "--task.path", str(rows)]).task
+    tasks, tok = load_tasks(cfg), build_char_tokenizer()
+    assert tok.decode(tasks.prompt_ids(tasks.item(0), tok), skip_special_tokens=True).endswith("12+3=\nA:")
+    with pytest.raises(BadTaskRow) as err:
+        tasks.prompt_ids(tasks.item(1), tok)
+    assert f"{rows} row 2" in str(err.value) and "'１🙂'" in str(err.value)

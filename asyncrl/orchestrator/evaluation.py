@@ -10,7 +10,7 @@ import asyncio
 
 from asyncrl.orchestrator.rollout import all_or_none
 from asyncrl.rewards.pool import VerifierError
-from asyncrl.rewards.tasks import eval_entries
+from asyncrl.rewards.tasks import BadTaskRow, eval_entries
 
 
 class Evaluator:
@@ -26,10 +26,11 @@ class Evaluator:
             entries, prompts = [], []
             for entry in eval_entries(self.tasks, self.cfg.task.eval_size):
                 entry = {**entry, "prompt": self.tasks.prompt(entry)}
-                prompt = self.tasks.prompt_ids(entry, self.tokenizer)
-                if (
-                    len(prompt) <= self.cfg.inference.max_prompt_tokens
-                ):  # (a longer one is left out, as in training)
+                try:
+                    prompt = self.tasks.prompt_ids(entry, self.tokenizer)
+                except BadTaskRow:  # left out, as in training (the training side reports its rows)
+                    continue
+                if len(prompt) <= self.cfg.inference.max_prompt_tokens:  # (a longer one too)
                     entries.append(entry)
                     prompts.append(prompt)
             self.items = entries, prompts

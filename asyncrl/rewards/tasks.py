@@ -160,7 +160,16 @@ class TaskSource:
     def prompt_ids(self, entry: dict[str, Any], tokenizer) -> list[int]:
         """The prompt's token ids: a user turn of the tokenizer's chat template (task.chat), else plain
         text."""
-        return encode_prompt(tokenizer, self.prompt(entry), self.cfg.chat)
+        text = self.prompt(entry)
+        ids = encode_prompt(tokenizer, text, self.cfg.chat)
+        unknown = tokenizer.unk_token_id
+        if unknown is not None and unknown in ids:  # (a char-level vocabulary; byte-level BPE has none)
+            missing = sorted(c for c in set(text) if unknown in tokenizer.encode(c, add_special_tokens=False))
+            row = entry.get("metadata", {}).get("row")
+            where = f"{self.dataset.path} row {row + 1}" if row is not None else f"{self.cfg.name} item"
+            raise BadTaskRow(f"{where}: the prompt has characters the tokenizer cannot encode: "
+                             f"{''.join(missing)!r} (in {text[:60]!r})")
+        return ids
 
     def score(self, completion: str, entry: dict[str, Any]) -> float:
         """Reward in [0, 1]; may raise (the caller records the error against the sample)."""
