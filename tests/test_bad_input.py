@@ -7,10 +7,11 @@ import sys
 import threading
 import time
 
+import pytest
 from conftest import job_config
 
 from asyncrl.events import read_events
-from asyncrl.launcher import prepare_run_dir, train
+from asyncrl.launcher import RunError, prepare_run_dir, train
 from asyncrl.rewards.tasks import load_tasks
 from asyncrl.weights import read_marker
 
@@ -148,3 +149,24 @@ def test_nonfinite_loss_skips_the_update_and_keeps_the_weights(tiny_model, tmp_p
     assert markers[1]["hash"] == markers[0]["hash"] and markers[3]["hash"] == markers[2]["hash"]
     assert markers[2]["hash"] != markers[1]["hash"]
     assert all(math.isnan(m["loss"]) for m in markers[1::2])
+
+
+def test_weights_that_turn_non_finite_are_never_published_and_the_run_says_why(tiny_model, tmp_path):
+    """An absurd but finite learning rate (inf itself is refused by the config) blows the weights up
+    within two steps: every version published is finite, and the run stops with the trainer's reason."""
+    import re
+
+    from safetensors.torch import load_file
+
+    cfg = job_config(tmp_path, tiny_model, **{"trainer.lr": 1e30, "trainer.warmup_steps": 0,
+                                              "run.max_restarts": 0, "run.warm_spare": "off",
+                                              "task.eval_size": 0})
+    with pytest.raises(RunError) as err:
+        train(cfg, log=lambda *a, **k: None)
+    reason = re.search(r"made the weights non-finite .* the last good version is (\d+)", str(err.value))
+    assert reason, err.value
+    good = int(reason.group(1))
+    published = sorted((cfg.run_dir / "weights").glob("v*.safetensors"))
+    assert [p.name for p in published][-1] == f"v{good:06d}.safetensors"
+    assert all(t.isfinite().all() for p in published for t in load_file(p).values())
+    assert not (cfg.run_dir / "checkpoints" / f"step_{good + 1:06d}").exists()

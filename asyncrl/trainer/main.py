@@ -79,6 +79,18 @@ def restore(run_dir: Path, cfg, events: EventLog):
     return model, tokenizer, state
 
 
+def check_finite(model, step: int, metrics: dict) -> None:
+    """Non-finite weights are never published or checkpointed: the trainer stops with why (a restart
+    replays the same step, so the run ends with this message once its restarts are spent)."""
+    if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return
+    raise RuntimeError(
+        f"trainer: step {step} made the weights non-finite (lr {metrics['lr']:.3g}, "
+        f"loss {metrics['loss']:.4g}, grad norm {metrics.get('grad_norm', float('nan')):.4g}); version "
+        f"{step + 1} is not published, the last good version is {step}. Lower trainer.lr."
+    )
+
+
 def publish_version(run_dir: Path, version: int, state: dict, metrics: dict, events: EventLog) -> None:
     """Publish, or after a restart confirm that the version published before it is bit-identical."""
     before = weights.read_marker(run_dir, version)
@@ -147,6 +159,7 @@ def main(run_dir: str) -> None:
             model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases
         )
         metrics["lr"] = scheduler.get_last_lr()[0]
+        check_finite(model, step, metrics)
         scheduler.step()
         t2 = time.monotonic()
         metrics.update(
