@@ -98,6 +98,34 @@ def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(ser
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 
 
+def test_two_calls_at_once_on_one_episode_are_taken_in_turn(server):
+    """Deterministic: the second call waits for the first, then is refused (its messages do not hold
+    the first call's reply); the record is one prompt and one reply, never two interleaved."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.agents.chat import ChatFormatError, PolicySession
+    from asyncrl.agents.episode import Episode, Limits
+    from asyncrl.inference.client import InferenceClient
+
+    url, _, model = server
+    tok = AutoTokenizer.from_pretrained(model)
+
+    async def go():
+        async with InferenceClient(url, 30) as client:
+            session = PolicySession(Episode(Limits(8, 200, 8)), client, Renderer(tok),
+                                    {"temperature": 1.0, "top_p": 1.0}, [tok.eos_token_id])
+            messages = [{"role": "user", "content": "12*34"}]
+            calls = [session.chat(messages), session.chat(messages)]
+            return await asyncio.gather(*calls, return_exceptions=True), session.episode
+
+    (first, second), episode = run(go())
+    assert isinstance(first, tuple) and isinstance(second, ChatFormatError), (first, second)
+    assert "already holds 2" in str(second)
+    assert episode.turns == 1
+    masks = episode.loss_mask
+    assert masks == sorted(masks) and 0 in masks and 1 in masks  # context, then the one reply
+
+
 def test_a_failing_agent_fails_only_its_episode(server):
     async def go():
         async with agent_runner(

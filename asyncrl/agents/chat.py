@@ -14,6 +14,7 @@ prompt plus the completion returned for it; the extension is encoded, the rest k
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from asyncrl.agents.episode import Episode, EpisodeAborted
@@ -99,10 +100,16 @@ class PolicySession:
         self.history: list[dict] = []  # the conversation so far, ending with the policy's last reply
         self.text = ""                 # a completions episode: prompt + completion so far
         self.last_sampled: list[int] = []
+        self.turn = asyncio.Lock()  # one call at a time: two at once would interleave their tokens
 
     # --- chat -------------------------------------------------------------------------------
     async def chat(self, messages: list, tools: list[dict] | None = None, max_tokens: int | None = None):
-        """(assistant message, finish_reason) for the next turn of `messages`."""
+        """(assistant message, finish_reason) for the next turn of `messages`; a call made while another
+        is running waits for it, then must extend the conversation that call left."""
+        async with self.turn:
+            return await self._chat(messages, tools, max_tokens)
+
+    async def _chat(self, messages: list, tools: list[dict] | None, max_tokens: int | None):
         if self.text:
             raise ChatFormatError("this episode is a /v1/completions one; it cannot continue as a chat")
         messages = [normalize(m) for m in messages]
@@ -163,7 +170,12 @@ class PolicySession:
 
     # --- completions ------------------------------------------------------------------------
     async def complete(self, prompt: str | list[int], max_tokens: int | None = None) -> dict:
-        """The engine's choice for a prompt that extends this episode's text (or token ids)."""
+        """The engine's choice for a prompt that extends this episode's text (or token ids); calls are
+        taken in turn, as chat's are."""
+        async with self.turn:
+            return await self._complete(prompt, max_tokens)
+
+    async def _complete(self, prompt: str | list[int], max_tokens: int | None) -> dict:
         if self.history:
             raise ChatFormatError("this episode is a chat; it cannot continue with /v1/completions")
         if isinstance(prompt, str):
