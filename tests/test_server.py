@@ -108,6 +108,57 @@ def test_unreachable_server_fails_fast_with_its_name():
         asyncio.run(go())
 
 
+def test_busy_answers_are_retried_until_the_deadline_and_odd_bodies_are_named():
+    """A real HTTP server that says 429 (with Retry-After), then 503, then answers; one that is busy for
+    ever; one that answers with an HTML page. Deterministic: counts of requests, not times."""
+    from aiohttp import web
+
+    seen = {"busy_twice": 0, "busy": 0}
+
+    async def busy_twice(request):
+        seen["busy_twice"] += 1
+        if seen["busy_twice"] == 1:
+            return web.json_response({"error": {"message": "full"}}, status=429, headers={"Retry-After": "0"})
+        if seen["busy_twice"] == 2:
+            return web.Response(text="<html>starting</html>", status=503)
+        return web.json_response({"choices": [{"token_ids": [1]}]})
+
+    async def busy(request):
+        seen["busy"] += 1
+        return web.json_response({"error": {"message": "still full"}}, status=429)
+
+    async def html(request):
+        return web.Response(text="<html>bad gateway</html>", status=502)
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/ok/v1/completions", busy_twice)
+        app.router.add_post("/busy/v1/completions", busy)
+        app.router.add_post("/html/v1/completions", html)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        outcomes = []
+        try:
+            for path in ("ok", "busy", "html"):
+                async with InferenceClient(f"{base}/{path}", timeout=2) as client:
+                    try:
+                        outcomes.append(await client.complete([[1]], 1, 1, 1.0))
+                    except InferenceError as e:
+                        outcomes.append(e)
+        finally:
+            await runner.cleanup()
+        return outcomes
+
+    ok, busy_error, html_error = asyncio.run(go())
+    assert ok == [{"token_ids": [1]}] and seen["busy_twice"] == 3
+    assert isinstance(busy_error, InferenceError) and "(429, busy for 2s): still full" in str(busy_error)
+    assert seen["busy"] >= 2  # retried (0.25 s, 0.5 s, ...) until the next wait would pass the deadline
+    assert isinstance(html_error, InferenceError) and "(502): <html>bad gateway" in str(html_error)
+
+
 def test_patch_update_reproduces_the_trainers_weights(server):
     url, run_dir, model_path = server
     model, _ = load_policy(model_path)

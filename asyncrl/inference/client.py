@@ -17,6 +17,16 @@ class InferenceUnavailable(InferenceError):
     back."""
 
 
+RETRY_LATER = (429, 503)  # the server is busy or not ready: the request may succeed later
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        return min(max(float(header), 0.0), 30.0) if header else None
+    except ValueError:  # (an HTTP date: back off by our own schedule)
+        return None
+
+
 class InferenceClient:
     def __init__(self, url: str, timeout: float):
         self.url = url.rstrip("/")
@@ -36,19 +46,37 @@ class InferenceClient:
     async def _call(
         self, method: str, endpoint: str, what: str, timeout: float | None = None, **kwargs
     ) -> dict:
-        url = self.url + endpoint
-        deadline = timeout or self.timeout
+        """One request; "busy, retry later" answers (429, 503) are retried with backoff (the server's
+        Retry-After if it gives one) until the deadline, anything else that is not 200 is an error."""
+        total = deadline = timeout or self.timeout
+        end, backoff = time.monotonic() + total, 0.25
+        while True:
+            status, body, retry_after = await self._request(method, endpoint, what, deadline, **kwargs)
+            if status == 200:
+                return body
+            message = body.get("error", {}).get("message", body) if isinstance(body, dict) else body
+            wait = retry_after if retry_after is not None else backoff
+            if status not in RETRY_LATER or time.monotonic() + wait > end:
+                busy = f", busy for {total:.0f}s" if status in RETRY_LATER else ""
+                raise InferenceError(f"inference server {self.url} refused {what} ({status}{busy}): "
+                                     f"{message}")
+            await asyncio.sleep(wait)
+            deadline, backoff = max(end - time.monotonic(), 0.1), min(2 * backoff, 8.0)
+
+    async def _request(self, method: str, endpoint: str, what: str, deadline: float, **kwargs):
+        """(status, body parsed as JSON or the raw text, Retry-After seconds or None)."""
         try:
             async with self._session.request(
-                method, url, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
+                method, self.url + endpoint, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
             ) as resp:
-                body = await resp.json(content_type=None, loads=orjson.loads)
-                if resp.status != 200:
-                    message = (body or {}).get("error", {}).get("message", body)
-                    raise InferenceError(
-                        f"inference server {self.url} refused {what} ({resp.status}): {message}"
-                    )
-                return body
+                raw = await resp.read()
+                try:
+                    body = orjson.loads(raw)
+                except orjson.JSONDecodeError:  # e.g. a proxy's HTML error page
+                    body = raw[:200].decode(errors="replace")
+                if resp.status == 200 and not isinstance(body, dict):
+                    raise InferenceError(f"inference server {self.url} answered {what} with {body!r:.120}")
+                return resp.status, body, _seconds(resp.headers.get("Retry-After"))
         except asyncio.TimeoutError:
             raise InferenceError(
                 f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"

@@ -12,6 +12,8 @@ from asyncrl.orchestrator.rollout import all_or_none
 from asyncrl.rewards.pool import VerifierError
 from asyncrl.rewards.tasks import BadTaskRow, eval_entries
 
+EVAL_CHUNK = 64  # held-out prompts per request
+
 
 class Evaluator:
     def __init__(self, cfg, tasks, tokenizer, client, verifiers, agents, server_call):
@@ -62,15 +64,16 @@ class Evaluator:
 
     async def _completions(self, entries: list[dict], prompts: list[list[int]]):
         """(score per item, versions that sampled) of one greedy completion per item."""
-        choices = await self.server_call(
-            lambda: self.client.complete(prompts, 1, self.cfg.rollout.max_tokens, temperature=0.0),
-            "an evaluation",
-        )
+        # in requests of EVAL_CHUNK prompts, all at once: the server batches them as one, and each
+        # request is small enough to meet timeouts.http however large eval_size is
+        chunks = [prompts[i:i + EVAL_CHUNK] for i in range(0, len(prompts), EVAL_CHUNK)]
+        parts = await asyncio.gather(*(self.server_call(
+            lambda chunk=chunk: self.client.complete(chunk, 1, self.cfg.rollout.max_tokens, temperature=0.0),
+            "an evaluation") for chunk in chunks))
+        choices = [c for part in parts for c in part]
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)
-        scores = [
-            0.0 if isinstance(r, VerifierError) else r for r in results
-        ]  # an unscorable answer counts as wrong
+        scores = [0.0 if isinstance(r, VerifierError) else r for r in results]  # unscorable: wrong
         return scores, [min(c["versions"]) for c in choices if c["versions"]]
 
     async def _episodes(self, entries: list[dict], prompts: list[list[int]]):
