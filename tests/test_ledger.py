@@ -83,3 +83,20 @@ def test_metrics_are_a_projection_of_the_ledger(tmp_path):
     again = Ledger(tmp_path)  # what a restarted orchestrator rewrites metrics.jsonl from
     assert again.metrics() == [{"eval_version": 0, "eval_accuracy": 0.4}, {"step": 0, "version": 1},
                                {"step": 1, "version": 2}, {"eval_version": 2, "eval_accuracy": 0.6}]
+
+
+def test_an_event_that_keeps_happening_is_counted_not_repeated(tmp_path):
+    from asyncrl.events import REPEATS, EventLog, read_events
+
+    log = EventLog(tmp_path, "orchestrator")
+    for i in range(100_000):
+        log.write("sample_dropped", reason="verifier_error", error="boom", sample=i)
+    for i in range(3):
+        log.write("sample_dropped", reason="bad_output", sample=i)
+    events = read_events(tmp_path)
+    kept = [e for e in events if e["event"] == "sample_dropped"]
+    assert len(kept) == REPEATS + 3  # every kind's first REPEATS in full
+    assert [e["sample"] for e in kept[:REPEATS]] == list(range(REPEATS))
+    counts = [e["count"] for e in events if e["event"] == "repeated"]
+    assert counts == [REPEATS + 1, 10 * REPEATS, 100 * REPEATS, 1000 * REPEATS]
+    assert (tmp_path / "events.jsonl").stat().st_size < 100_000
