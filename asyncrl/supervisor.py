@@ -7,6 +7,7 @@ log lines.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -30,6 +31,29 @@ class RunError(RuntimeError):
     pass
 
 
+try:  # Linux: a child can ask the kernel for a signal when its parent dies
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher(launcher: int):
+    """preexec_fn of every role: SIGTERM when the launcher dies, however it dies (SIGKILL, OOM, a
+    closed terminal), so no role outlives it to write into a run that a --resume starts again."""
+    def bind() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died between the fork and the line above
+            os._exit(1)
+    return bind if _PRCTL is not None else None
+
+
+def spawn(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """A role's process: its own session (a Ctrl-C reaches the launcher, which stops it), and bound
+    to the launcher's life."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_launcher(os.getpid()), **kwargs)
+
+
 def role_env(threads: int, **extra: str) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                 TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
@@ -37,8 +61,8 @@ def role_env(threads: int, **extra: str) -> dict:
 
 def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess.Popen:
     log = open(run_dir / "logs" / f"{role}.log", "a")  # a restarted role appends: its crash stays readable
-    return subprocess.Popen([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log,
-                            stderr=subprocess.STDOUT, env=role_env(threads, **env), start_new_session=True)
+    return spawn([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log, stderr=subprocess.STDOUT,
+                 env=role_env(threads, **env))
 
 
 def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subprocess.Popen:
@@ -62,7 +86,7 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subpr
         OMP_NUM_THREADS=str(threads),
     )
     log = open(run_dir / "logs" / "inference.log", "a")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     (run_dir / "inference.json").write_text(
         json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"})
     )
@@ -173,15 +197,9 @@ class Supervisor:
             and all(heartbeat.age(self.run_dir, r) is not None for r in beating)
         ):
             log = open(self.run_dir / "logs" / "standby.log", "a")
-            self.spare = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=role_env(1),
-                start_new_session=True,
-            )
+            self.spare = spawn([sys.executable, "-m", "asyncrl.standby", str(self.run_dir)],
+                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env=role_env(1))
 
     def finished(self) -> bool:
         """Check every role once; True when the trainer and the orchestrator have both completed."""

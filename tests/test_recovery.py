@@ -131,3 +131,32 @@ def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
     ]
     assert len(restarts) == 1 and "no heartbeat" in restarts[0]["why"]
     assert_nothing_lost(run_dir)
+
+
+def test_roles_die_with_their_launcher_however_it_dies(tiny_model, tmp_path):
+    """The launcher is SIGKILLed (as the OOM killer or a closed terminal would): its three roles go
+    with it instead of training on into the run directory that a --resume would start again."""
+    import json
+    from pathlib import Path
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except OSError:
+            return False
+
+    launcher = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    pids_file = tmp_path / "runs" / "job" / "pids.json"
+    deadline = time.monotonic() + 120
+    while not (pids_file.exists() and steps_recorded(pids_file.parent) >= 1):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.1)
+    roles = json.loads(pids_file.read_text())
+    assert all(alive(pid) for pid in roles.values())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in roles.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [role for role, pid in roles.items() if alive(pid)]
