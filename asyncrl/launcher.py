@@ -22,6 +22,7 @@ from asyncrl.config import (
 )
 from asyncrl.events import EventLog
 from asyncrl.progress import Progress
+from asyncrl.run_lock import run_lock
 from asyncrl.sections import ModelConfig
 from asyncrl.supervisor import RunError, Supervisor
 from asyncrl.threads import plan_threads
@@ -164,6 +165,11 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
 
 def train(cfg: Config, log=print) -> Path:
     """Run a whole training job; returns the run directory (with its report)."""
+    with run_lock(cfg.run_dir):
+        return _train(cfg, log)
+
+
+def _train(cfg: Config, log) -> Path:
     check_inputs(cfg, log)
     cfg, plan = plan_threads(cfg, log)
     run_dir = prepare_run_dir(cfg)
@@ -193,6 +199,11 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, force: bool 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json); nothing to resume")
+    with run_lock(run_dir):
+        return _resume(run_dir, overrides, force, log)
+
+
+def _resume(run_dir: Path, overrides: list[str] | None, force: bool, log) -> Path:
     old = read_run_config(run_dir)
     tree = merge_config(old.model_dump(mode="json"), parse_overrides(list(overrides or [])))
     tree["run"].update(root=str(run_dir.parent), name=run_dir.name)  # the directory may have moved

@@ -148,3 +148,27 @@ def test_overwrite_deletes_only_an_asyncrl_run(tmp_path):
     (precious / "leftover").write_text("x")
     prepare_run_dir(cfg)
     assert not (precious / "leftover").exists() and (precious / "config.json").exists()
+
+
+def test_a_live_run_refuses_a_second_launcher_and_a_dead_launchers_lock_is_taken_over(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from asyncrl.launcher import prepare_run_dir, resume, train
+    from asyncrl.run_lock import run_lock
+
+    cfg = load_config(overrides=["--run.root", str(tmp_path / "runs"), "--run.name", "live",
+                                 "--run.overwrite", "true"])
+    prepare_run_dir(cfg)
+    with run_lock(cfg.run_dir):  # this process is the live launcher
+        for second in (lambda: train(cfg), lambda: resume(cfg.run_dir)):
+            with pytest.raises(ConfigError, match=f"is live: launcher PID {os.getpid()} holds"):
+                second()
+        assert (cfg.run_dir / "config.json").exists()  # the overwrite did not delete the live run
+    # a launcher SIGKILLed while it held the lock: the kernel released it, the next one takes it
+    code = ("import os, signal; from asyncrl.run_lock import run_lock\n"
+            f"with run_lock({str(cfg.run_dir)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == -9
+    with run_lock(cfg.run_dir) as path:
+        assert path.read_text() == str(os.getpid())
