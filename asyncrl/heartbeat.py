@@ -2,6 +2,7 @@
 file's age. A role that is alive but stuck stops beating and is restarted like a dead one."""
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -22,6 +23,12 @@ class Heartbeat:
         if force or now - self.last >= self.every:
             self.path.touch()  # sets the mtime the supervisor reads
             self.last = now
+
+    async def beat_forever(self, every: float = 0.5) -> None:
+        """Beat while the event loop runs: a loop that blocks stops beating and is restarted."""
+        while True:
+            self.beat()
+            await asyncio.sleep(every)
 
 
 def age(run_dir: str | Path, role: str) -> float | None:

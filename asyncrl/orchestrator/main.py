@@ -57,9 +57,9 @@ class Orchestrator:
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
         self.recovering = asyncio.Lock()  # one recovery of the inference server at a time
-        self.failure: Exception | None = None  # first rollout error; ends the run
+        self.failure: Exception | None = None  # first rollout or evaluation error; ends the role
         self.assembled = False  # every batch has been handed to the trainer
-        self.in_flight: set[asyncio.Task] = set()
+        self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
@@ -270,7 +270,8 @@ class Orchestrator:
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
         await self._server(self._ensure_served, "loading the served version at start")
-        evals = [asyncio.create_task(self.evaluate())] if self.served_version == 0 else []
+        if self.served_version == 0 and self.evaluator:
+            self.evals.append(asyncio.create_task(self.evaluate()))
         for version in range(self.served_version + 1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
             body = weights.load_request(self.run_dir, version, marker)
@@ -282,9 +283,9 @@ class Orchestrator:
             await self._notify()
             self._write_metrics(record)
             self._commit(checkpoint.valid_steps(checkpoint.checkpoints_dir(self.run_dir), verify=False))
-            if version % self.cfg.task.eval_every == 0 or version == self.cfg.run.steps:
-                evals.append(asyncio.create_task(self.evaluate()))
-        await asyncio.gather(*evals)
+            if self.evaluator and (version % self.cfg.task.eval_every == 0 or version == self.cfg.run.steps):
+                self.evals.append(asyncio.create_task(self.evaluate()))
+        await asyncio.gather(*self.evals)
         await self._wait_for_final_checkpoint()
 
     def _commit(self, durable_steps: list[int]) -> None:
@@ -342,35 +343,35 @@ class Orchestrator:
         }
 
     async def evaluate(self) -> None:
-        """Greedy accuracy on the fixed held-out set, under whatever version the server holds."""
-        if self.evaluator is not None:
+        """Held-out greedy accuracy under the version served; a failure ends the role, as a rollout's does."""
+        try:
             record = {**await self.evaluator.run(self.served_version), "time": self._now()}
-            self.ledger.record_eval(record)
-            self._write_metrics(record)
-
-    async def _beat(self) -> None:
-        while True:
-            self.heartbeat.beat()
-            await asyncio.sleep(0.5)
+        except Exception as e:
+            self.failure = e
+            await self._notify()
+            raise
+        self.ledger.record_eval(record)
+        self._write_metrics(record)
 
     async def run(self) -> None:
         warm = asyncio.create_task(self.verifiers.warm())  # while the first rollouts generate
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
-        beat = asyncio.create_task(self._beat())
+        beat = asyncio.create_task(self.heartbeat.beat_forever())
         proxy = None
         if self.agents:
             proxy, self.agents.proxy_url = await start_proxy(self.agents.sessions, self.cfg.model.path)
             self.events.write("proxy_started", url=self.agents.proxy_url)
+        follow = asyncio.create_task(self.follow())
         try:
-            follow = asyncio.create_task(self.follow())
             done, _ = await asyncio.wait([follow, *loops], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 task.result()  # re-raise the first failure
             await follow
-        finally:
-            for task in [warm, beat, *loops, *self.in_flight]:
+        finally:  # nothing may run on against the ledger once it is closed
+            tasks = [warm, beat, follow, *loops, *self.in_flight, *self.evals]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(warm, beat, *loops, *self.in_flight, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()
