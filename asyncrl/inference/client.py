@@ -54,7 +54,8 @@ class InferenceClient:
             status, body, retry_after = await self._request(method, endpoint, what, deadline, **kwargs)
             if status == 200:
                 return body
-            message = body.get("error", {}).get("message", body) if isinstance(body, dict) else body
+            error = body.get("error") if isinstance(body, dict) else None
+            message = error.get("message", error) if isinstance(error, dict) else error or body
             wait = retry_after if retry_after is not None else backoff
             if status not in RETRY_LATER or time.monotonic() + wait > end:
                 busy = f", busy for {total:.0f}s" if status in RETRY_LATER else ""
