@@ -31,7 +31,8 @@ __all__ = ["RunError", "Stopped", "check_inputs", "prepare_run_dir", "resume", "
 
 DEFAULT_MODEL = ModelConfig().path
 
-def prepare_run_dir(cfg: Config) -> Path:
+def check_run_dir(cfg: Config) -> None:
+    """Whether the run may use its directory: asked before any input check, warm start or planning."""
     run_dir = cfg.run_dir
     if run_dir.exists():
         if not cfg.run.overwrite:
@@ -42,6 +43,12 @@ def prepare_run_dir(cfg: Config) -> Path:
         if any(run_dir.iterdir()) and not is_run_dir(run_dir):
             raise ConfigError(f"--run.overwrite: {run_dir} is not an asyncrl run directory (it has no run "
                               "config.json); refusing to delete it")
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    run_dir = cfg.run_dir
+    check_run_dir(cfg)
+    if run_dir.exists():
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     save_config(cfg, run_dir / "config.json")
@@ -170,6 +177,7 @@ def train(cfg: Config, log=print) -> Path:
 
 
 def _train(cfg: Config, log) -> Path:
+    check_run_dir(cfg)
     check_inputs(cfg, log)
     cfg, plan = plan_threads(cfg, log)
     run_dir = prepare_run_dir(cfg)
