@@ -215,6 +215,7 @@ RESUMABLE_KEYS = (
     "inference.port",
     "inference.threads",
     "inference.max_waiting_sequences",
+    "rollout.max_failed_samples",
     "inference.vllm_python",
     "task.eval_every",
     "model.warmstart_if_missing",

@@ -21,7 +21,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path`; once the block completes it becomes `path` in one rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (two processes may write one file)
     try:
         yield tmp
         os.replace(tmp, path)

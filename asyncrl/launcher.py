@@ -163,11 +163,16 @@ def launch(cfg: Config, run_dir: Path, log=print) -> None:
         while not supervisor.finished():
             progress.poll()
             time.sleep(0.2)
-        progress.poll()
+    finally:
+        progress.poll(final=True)  # (what happened last: the drops that tripped the breaker, say)
         if progress.tty:
             print()
-    finally:
-        supervisor.stop()
+        # a second Ctrl-C or SIGTERM while the roles stop would leave them half-stopped: it waits
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            supervisor.stop()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def train(cfg: Config, log=print) -> Path:

@@ -1,40 +1,103 @@
-"""The console's live line: new records of metrics.jsonl as they arrive."""
+"""The console while a run goes: one live line from metrics.jsonl, and a line for each kind of drop
+or fallback in events.jsonl as it happens (the first at once, then its count every EVENT_EVERY s)."""
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+
+# event names that tell the user something went wrong or around: drops, failures, recoveries
+NOTABLE = ("dropped", "failed", "error", "corrupt", "unreachable", "recovered", "restarted", "reissued",
+           "stopped", "replayed")
+EVENT_EVERY = 10.0
+
+
+class Tail:
+    """The complete new lines of a file another process appends to, parsed; a torn or foreign line is
+    skipped, not fatal (the console must never take the run down)."""
+
+    def __init__(self, path: Path, from_end: bool):
+        self.path = path
+        self.offset = path.stat().st_size if from_end and path.exists() else 0
+
+    def records(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
 
 
 class Progress:
-    """Reads new lines of metrics.jsonl and keeps one live line on the console."""
-
     def __init__(self, run_dir: Path, steps: int, out=sys.stdout):
-        self.path, self.steps, self.out = run_dir / "metrics.jsonl", steps, out
-        # a resumed run's earlier steps were shown by the launch that ran them
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.steps, self.out = steps, out
+        # a resumed run's earlier steps and events were shown by the launch that ran them
+        self.metrics = Tail(run_dir / "metrics.jsonl", from_end=True)
+        self.events = Tail(run_dir / "events.jsonl", from_end=True)
         self.step, self.eval = None, None
+        self.counts: dict[tuple[str, str], int] = {}
+        self.example: dict[tuple[str, str], str] = {}
+        self.shown: dict[tuple[str, str], tuple[int, float]] = {}  # kind -> (count shown, when)
         self.tty = out.isatty()
 
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete)
+    def poll(self, final: bool = False) -> None:
+        """Show what is new; `final`: every count that changed since it was last shown, however recently."""
+        self._poll_events(final)
         changed = False
-        for line in complete.splitlines():
-            record = json.loads(line)
+        for record in self.metrics.records():
             if "eval_accuracy" in record:
                 self.eval = record
-            else:
+            elif "step" in record:
                 self.step = record
             changed = True
         # On a terminal the line is rewritten in place; in a log, one line per ~5% of the run.
         every = 1 if self.tty else max(1, self.steps // 20)
         if changed and self.step and (self.step["step"] + 1) % every == 0:
+            self.show()
+
+    def _poll_events(self, final: bool) -> None:
+        for record in self.events.records():
+            event = str(record.get("event", ""))
+            if event == "repeated":  # the writer counts from here on: take its count
+                kind = (str(record.get("of")), str(record.get("reason", "")))
+                self.counts[kind] = max(self.counts.get(kind, 0), int(record.get("count", 0)))
+                continue
+            if not any(word in event for word in NOTABLE):
+                continue
+            kind = (event, str(record.get("reason", "")))
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.example.setdefault(kind, str(next((record[k] for k in ("error", "why", "detail", "what")
+                                                    if record.get(k)), "")))
+        now = time.monotonic()
+        for kind, count in self.counts.items():
+            shown, when = self.shown.get(kind, (0, -EVENT_EVERY))
+            if count > shown and (final or now - when >= EVENT_EVERY):
+                self.shown[kind] = (count, now)
+                self._say(self._event_line(kind, count))
+
+    def _event_line(self, kind: tuple[str, str], count: int) -> str:
+        event, reason = kind
+        example = self.example.get(kind, "")
+        return (f"! {event}{f' ({reason})' if reason else ''}: {count} so far"
+                + (f" — e.g. {example[:160]}" if example else "") + " (events.jsonl)")
+
+    def _say(self, line: str) -> None:
+        """A line of its own above the live one."""
+        print(("\r" + line.ljust(120)) if self.tty else line, file=self.out, flush=True)
+        if self.tty and self.step:
             self.show()
 
     def show(self) -> None:
@@ -44,8 +107,9 @@ class Progress:
             f"step {s['step'] + 1}/{self.steps} | reward {s.get('reward', 0):.3f} "
             f"| acc {s.get('accuracy', 0):.1%}{ev}"
             f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
-            f" | gen {s['gen_tokens_per_s']:.0f} tok/s | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
-            f" | {s['time']:.0f}s"
+            f" | gen {s.get('gen_tokens_per_s', 0):.0f} tok/s"
+            f" | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
+            f" | {s.get('time', 0):.0f}s"
         )
         print(
             ("\r" + line.ljust(120)) if self.tty else line,

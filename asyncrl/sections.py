@@ -151,6 +151,10 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_concurrent_groups: int = Field(64, ge=1)
+    max_failed_samples: int = Field(
+        1024, ge=1, description="samples failed in a row (verifier, agent, bad row) with none accepted: "
+        "the run stops with the first and most frequent error"
+    )
     # grpo: (R − mean)/std per group; dr_grpo: R − mean; rloo: leave-one-out;
     # running_baseline: R − an exponential moving average of past rewards (for group_size 1, SAO)
     advantage: Literal["grpo", "dr_grpo", "rloo", "running_baseline"] = "grpo"
@@ -268,3 +272,6 @@ class TimeoutConfig(Section):
     heartbeat: float = Field(300.0, gt=0, description="a role silent this long is restarted")
     episode: float = Field(300.0, gt=0, description="one agent episode, all its turns and tools")
     tool: float = Field(30.0, gt=0, description="one tool call, unless the tool sets its own")
+    no_accepted_sample: float = Field(
+        300.0, gt=0, description="samples failing this long with none accepted: the run stops"
+    )

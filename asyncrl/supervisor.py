@@ -20,6 +20,7 @@ from pathlib import Path
 from asyncrl import heartbeat
 from asyncrl.config import Config
 from asyncrl.events import EventLog
+from asyncrl.fatal import FATAL_EXIT, failure_file, read_failure
 from asyncrl.files import poll, write_atomic
 
 ROLES = {
@@ -87,9 +88,8 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subpr
     )
     log = open(run_dir / "logs" / "inference.log", "a")
     proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    (run_dir / "inference.json").write_text(
-        json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"})
-    )
+    write_atomic(run_dir / "inference.json",
+                 json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
     return proc
 
 
@@ -170,6 +170,7 @@ class Supervisor:
     def start_all(self) -> None:
         # (from an earlier launch) written anew once bound
         (self.run_dir / "inference.json").unlink(missing_ok=True)
+        failure_file(self.run_dir).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
         self.start("inference")
         wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
@@ -208,6 +209,11 @@ class Supervisor:
             code = proc.poll()
             if code == 0 and role != "inference":
                 continue
+            if code == FATAL_EXIT:  # a restart would meet the same error: the run ends with its sentence
+                failure = read_failure(self.run_dir) or {"error": f"exited with code {code}"}
+                self.events.write("role_failed", target=role, why=failure["error"])
+                raise RunError(f"the {role} stopped the run: {failure['error']} (log: "
+                               f"{self.run_dir / 'logs' / f'{role}.log'})")
             if code is not None:
                 self._restart(role, f"exited with code {code}")
             elif (stuck := self._stuck(role)) is not None:

@@ -228,9 +228,15 @@ def _cached_plan(cfg: Config) -> dict | None:
 
 
 def _cache_plan(cfg: Config, plan: dict) -> None:
-    path, plans = _plans(cfg)
-    plans[_plan_key(cfg)] = plan
-    write_atomic(path, json.dumps(plans, indent=1))  # (two launches may share run.root)
+    """Add a plan to the cache: two launches may share run.root, so the read-modify-write holds a lock
+    (without it the later writer drops the earlier one's plan)."""
+    import fcntl
+
+    with open(Path(cfg.run.root) / ".thread_plans.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path, plans = _plans(cfg)
+        plans[_plan_key(cfg)] = plan
+        write_atomic(path, json.dumps(plans, indent=1))
 
 
 if __name__ == "__main__":

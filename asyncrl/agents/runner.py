@@ -8,9 +8,9 @@ talk to the policy through `ctx.chat` / `ctx.complete`, or through any OpenAI cl
 returns its reward: a number, a list of per-turn rewards (summed), or None to have the task's
 verifier score its last reply in the verifier process pool.
 
-An agent that raises, hangs past `timeouts.episode` or returns nonsense fails only its own
-episode (recorded with the reason); one that runs into its turn or token limit is truncated
-and still trained on.
+An agent that raises, hangs past `timeouts.episode` or returns NaN fails only its own episode
+(recorded with the reason); one that returns what no reward can be (a string) stops the run; one
+that runs into its turn or token limit is truncated and still trained on.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import heapq
 import inspect
 import itertools
 import math
+import numbers
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,6 +30,7 @@ from asyncrl.agents.env import Environment, env_agent
 from asyncrl.agents.episode import Episode, EpisodeAborted, Limits
 from asyncrl.agents.tools import Tool, ToolResult, find_tool
 from asyncrl.config import ConfigError
+from asyncrl.fatal import ContractError, FatalError
 from asyncrl.imports import import_object
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.model import TINY_CHAT_TEMPLATE
@@ -239,6 +241,8 @@ class AgentRunner:
         start = time.monotonic()
         try:
             result = await asyncio.wait_for(self.agent_for(task)(task, ctx), self.cfg.timeouts.episode)
+        except FatalError:  # (a verifier's broken contract met through ctx.score): no episode can fix it
+            raise
         except Exception as e:
             if episode.server_lost:
                 raise InferenceUnavailable(f"episode {episode_id}: the inference server went away") from None
@@ -276,6 +280,7 @@ class AgentRunner:
     async def _reward(self, episode: Episode, result, ctx: AgentContext) -> Outcome:
         if episode.sampled_tokens == 0:
             return Outcome(episode, failure="agent_error", error="the agent never called the policy")
+        check_reward(result, self.agent_for(ctx.task))
         if isinstance(result, (list, tuple)):
             episode.turn_rewards = [float(r) for r in result]
             result = sum(episode.turn_rewards)
@@ -287,10 +292,20 @@ class AgentRunner:
                     result = await ctx.score(episode.final_text)
                 except VerifierError as e:
                     return Outcome(episode, failure="verifier_error", error=str(e))
-        if not isinstance(result, (int, float)) or not math.isfinite(result):
-            return Outcome(
-                episode,
-                failure="agent_error",
-                error=f"reward {result!r} is not a finite number (return a float, a list of floats or None)",
-            )
+        if not math.isfinite(result):
+            return Outcome(episode, failure="agent_error", error=f"reward {result!r} is not a finite number")
         return Outcome(episode, reward=float(result))
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_reward(result, agent) -> None:
+    """An agent returns a number, a list of numbers (per-turn rewards) or None; anything else is a bug
+    that every episode would repeat: ContractError, which stops the run."""
+    if result is None or _number(result) or (isinstance(result, (list, tuple)) and all(map(_number, result))):
+        return
+    name = getattr(agent, "__qualname__", repr(agent))
+    raise ContractError(f"agent {name} returned {type(result).__name__} {result!r:.60}; an agent must "
+                        "return a number, a list of numbers (per-turn rewards) or None (the verifier scores)")

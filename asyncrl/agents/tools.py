@@ -14,13 +14,20 @@ back to the policy. A tool failure is the policy's problem to handle, not the ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import time
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from asyncrl.fatal import ContractError
+
+# Threads for plain-function tools, apart from the event loop's default executor (which also starts
+# verifier workers): a tool thread abandoned at its deadline holds one of these, not one of those.
+_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tool")
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -82,15 +89,27 @@ class Tool:
             if inspect.iscoroutinefunction(self.fn):
                 value = await asyncio.wait_for(self.fn(**kwargs), deadline)
             else:  # a thread that overruns is abandoned (it cannot be killed); its result is ignored
-                value = await asyncio.wait_for(asyncio.to_thread(self.fn, **kwargs), deadline)
+                call = functools.partial(self.fn, **kwargs)
+                value = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_THREADS, call),
+                                               deadline)
         except asyncio.TimeoutError:
             error = f"tool {self.name!r} timed out after {deadline:g}s"
         except Exception as e:
             error = f"tool {self.name!r} failed: {type(e).__name__}: {e}"
         else:
-            text = value if isinstance(value, str) else json.dumps(value)
-            return ToolResult(self.name, text, None, time.monotonic() - start)
+            return ToolResult(self.name, self._text(value), None, time.monotonic() - start)
         return ToolResult(self.name, f"error: {error}", error, time.monotonic() - start)
+
+    def _text(self, value) -> str:
+        """What the policy reads; a value no text can stand for breaks the tool's contract (every call
+        would), which stops the run: ContractError."""
+        if isinstance(value, str):
+            return value
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):
+            raise ContractError(f"tool {self.name!r} returned {type(value).__name__} {value!r:.60}; a tool "
+                                "must return a string or a JSON-serializable value") from None
 
 
 def tool(fn: Callable | None = None, *, timeout: float | None = None, name: str | None = None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncrl.fatal import ContractError
 from asyncrl.orchestrator.rollout import all_or_none
 from asyncrl.rewards.pool import VerifierError
 from asyncrl.rewards.tasks import BadTaskRow, eval_entries
@@ -73,6 +74,9 @@ class Evaluator:
         choices = [c for part in parts for c in part]
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)
+        broken = next((r for r in results if isinstance(r, ContractError)), None)
+        if broken:
+            raise broken
         scores = [0.0 if isinstance(r, VerifierError) else r for r in results]  # unscorable: wrong
         return scores, [min(c["versions"]) for c in choices if c["versions"]]
 

@@ -28,14 +28,17 @@ from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
 from asyncrl.events import EventLog
+from asyncrl.fatal import run_role
 from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceClient, InferenceUnavailable, client_for
 from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
+from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
 from asyncrl.orchestrator.records import batch_stats, profile
 from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
+from asyncrl.orchestrator.serving import ATTEMPTS, Serving
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
@@ -43,8 +46,6 @@ from asyncrl.rewards.tasks import BadTaskRow, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
 MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a marker's fields, not metrics
-# a prompt whose generation fails this often (the server died under it each time) is dropped
-GROUP_ATTEMPTS = 3
 
 
 class Orchestrator:
@@ -56,7 +57,6 @@ class Orchestrator:
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
         self.gate = StalenessGate(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness)
         self.changed = asyncio.Condition()  # signalled when a group finishes or a version is served
-        self.recovering = asyncio.Lock()  # one recovery of the inference server at a time
         self.failure: Exception | None = None  # first rollout or evaluation error; ends the role
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
@@ -64,11 +64,14 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
+        self.serving = Serving(cfg, run_dir, client, self.events, self.ledger.get("served_version", 0))
+        self.breaker = Breaker(cfg.rollout.max_failed_samples, cfg.timeouts.no_accepted_sample)
+        self.bad_rows: set[str] = set()  # reported once: a file read in epochs meets its bad rows again
         self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) \
             if any(cfg.agent_paths().values()) else None
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
-        self.evaluator = Evaluator(cfg, eval_tasks, tokenizer, client, verifiers, self.agents, self._server) \
-            if eval_tasks else None
+        self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, client, verifiers, self.agents,
+                                    self.serving.call) if eval_tasks else None)
         self._restore()
 
     def _restore(self) -> None:
@@ -76,7 +79,6 @@ class Orchestrator:
         led = self.ledger
         self.started_at = led.get("started_at") or time.time()
         led.put("started_at", self.started_at)
-        self.served_version = led.get("served_version", 0)
         self.cursor = led.next_prompt_id()
         self.reissue = led.in_flight()  # their generation died with an earlier process
         self.ready: list[list[Trajectory]] = led.ready_groups()
@@ -98,7 +100,7 @@ class Orchestrator:
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
         if self.cursor:
-            self.events.write("orchestrator_resumed", served_version=self.served_version, cursor=self.cursor,
+            self.events.write("orchestrator_resumed", served_version=self.serving.version, cursor=self.cursor,
                               reissued=len(self.reissue), ready_groups=len(self.ready),
                               next_step=self.next_step, committed_through=self.committed_through)
 
@@ -120,38 +122,9 @@ class Orchestrator:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.failure or predicate()), deadline)
         except asyncio.TimeoutError:
             raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what} "
-                               f"(served version {self.served_version})") from None
+                               f"(served version {self.serving.version})") from None
         if self.failure:
             raise self.failure
-
-    # --- the inference server, which may go away ----------------------------------------
-    async def _server(self, call, what: str):
-        """Run `call()`; if the server is unreachable, wait for it to come back and retry."""
-        for attempt in range(GROUP_ATTEMPTS):
-            try:
-                return await call()
-            except InferenceUnavailable as e:
-                if attempt + 1 == GROUP_ATTEMPTS:
-                    raise
-                await self._recover_inference(what, e)
-
-    async def _recover_inference(self, what: str, error: Exception) -> None:
-        async with self.recovering:
-            self.events.write("inference_unreachable", what=what, error=str(error))
-            start = time.monotonic()
-            self.client.url = json.loads((self.run_dir / "inference.json").read_text())["url"]
-            await self.client.wait_healthy(self.cfg.timeouts.startup)
-            self.client.forget_version()
-            await self._ensure_served()
-            self.events.write("inference_recovered", what=what, seconds=time.monotonic() - start,
-                              version=self.served_version)
-
-    async def _ensure_served(self) -> None:
-        """A restarted server holds the initial weights: load the version the run is at."""
-        held = (await self.client.version())["version"]
-        if held != self.served_version and self.served_version > 0:
-            body = weights.load_request(self.run_dir, self.served_version, patch=False)
-            await self.client.update_weights(body, self.cfg.timeouts.weight_load)
 
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -160,7 +133,7 @@ class Orchestrator:
         while True:
             await self._wait_for(
                 lambda: self.assembled or (len(self.in_flight) < limit and (bool(self.reissue) or (
-                    self.gate.admitted < needed and self.gate.can_admit(self.served_version)))),
+                    self.gate.admitted < needed and self.gate.can_admit(self.serving.version)))),
                 self.cfg.timeouts.train_step, "room to start a rollout (the trainer publishes versions)",
             )
             if self.assembled:
@@ -178,7 +151,10 @@ class Orchestrator:
                 if reissued:  # (a re-issued prompt was good before; it held a slot)
                     self.gate.release()
                 self.ledger.drop_prompt(index, "bad_row")
-                self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
+                if str(e) not in self.bad_rows:
+                    self.bad_rows.add(str(e))
+                    self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
+                self.breaker.record(0, [("bad_row", str(e))])
                 continue
             if not reissued:
                 self.gate.admit()
@@ -195,8 +171,8 @@ class Orchestrator:
         prompt = tasks.prompt_ids(entry, self.tokenizer)
         limit = self.cfg.inference.max_prompt_tokens
         if len(prompt) > limit:
-            raise BadTaskRow(f"prompt {index} has {len(prompt)} tokens; inference.max_prompt_tokens is "
-                             f"{limit}")
+            raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(prompt)} tokens; "
+                             f"inference.max_prompt_tokens is {limit}")
         return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
@@ -212,10 +188,10 @@ class Orchestrator:
         else:
             generate = lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
         try:
-            group, dropped = await self._server(generate, f"prompt {index}")
+            group, dropped = await self.serving.call(generate, f"prompt {index}")
         except Exception as e:  # every waiting loop hears of it (_run_group notifies)
             self.failure = e if not isinstance(e, InferenceUnavailable) else RuntimeError(
-                f"orchestrator: prompt {index} failed {GROUP_ATTEMPTS} times: {e}")
+                f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}")
             return
         for d in dropped:
             self.events.write("sample_dropped", **{k: v for k, v in d.items() if k != "id"}, sample=d["id"])
@@ -230,6 +206,11 @@ class Orchestrator:
             self.ready.append(group)
         else:
             self.gate.release()
+        try:  # (after the ledger: the failed samples are on record however the run ends)
+            self.breaker.record(len(group), [(d["reason"], d.get("error", "")) for d in dropped
+                                             if d["reason"] != "aborted"])
+        except RunCannotProgress as e:
+            self.failure = e
 
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
@@ -269,17 +250,14 @@ class Orchestrator:
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
-        await self._server(self._ensure_served, "loading the served version at start")
-        if self.served_version == 0 and self.evaluator:
+        await self.serving.call(self.serving.ensure, "loading the served version at start")
+        if self.serving.version == 0 and self.evaluator:
             self.evals.append(asyncio.create_task(self.evaluate()))
-        for version in range(self.served_version + 1, self.cfg.run.steps + 1):
+        for version in range(self.serving.version + 1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
-            body = weights.load_request(self.run_dir, version, marker)
-            await self._server(lambda: self.client.update_weights(body, self.cfg.timeouts.weight_load),
-                               f"loading version {version}")
+            await self.serving.load(version, marker)
             record = await self._step_record(version, marker)
             self.ledger.record_step(version, record)
-            self.served_version = version
             await self._notify()
             self._write_metrics(record)
             self._commit(checkpoint.valid_steps(checkpoint.checkpoints_dir(self.run_dir), verify=False))
@@ -321,7 +299,7 @@ class Orchestrator:
 
     async def _step_record(self, version: int, marker: dict) -> dict:
         now = time.monotonic()
-        stats = await self._server(self.client.stats, "a stats query")
+        stats = await self.serving.call(self.client.stats, "a stats query")
         t_prev, tok_prev = self.last_gen
         tokens = stats["tokens_generated"]
         self.last_gen = (now, tokens)
@@ -345,7 +323,7 @@ class Orchestrator:
     async def evaluate(self) -> None:
         """Held-out greedy accuracy under the version served; a failure ends the role, as a rollout's does."""
         try:
-            record = {**await self.evaluator.run(self.served_version), "time": self._now()}
+            record = {**await self.evaluator.run(self.serving.version), "time": self._now()}
         except Exception as e:
             self.failure = e
             await self._notify()
@@ -397,4 +375,4 @@ async def main(run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1])))
+    run_role("orchestrator", sys.argv[1], lambda: asyncio.run(main(Path(sys.argv[1]))))

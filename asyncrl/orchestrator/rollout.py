@@ -5,6 +5,7 @@ import asyncio
 import math
 import time
 
+from asyncrl.fatal import ContractError
 from asyncrl.inference.client import InferenceClient
 from asyncrl.rewards.pool import VerifierError, VerifierPool
 from asyncrl.trajectory import Trajectory
@@ -12,10 +13,12 @@ from asyncrl.trajectory import Trajectory
 
 def checked(reward) -> tuple[float | None, str | None]:
     """(reward, None) or (None, error message): a verifier that raised, hung or returned NaN fails one
-    sample."""
+    sample; one that broke its contract (returned a string) stops the run."""
+    if isinstance(reward, ContractError):
+        raise reward
     if isinstance(reward, VerifierError):
         return None, str(reward)
-    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if not math.isfinite(reward):
         return None, f"verifier returned {reward!r}, not a finite number"
     return float(reward), None
 

@@ -10,6 +10,7 @@ import asyncio
 import multiprocessing
 import time
 
+from asyncrl.fatal import ContractError
 from asyncrl.sections import TaskConfig
 
 STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
@@ -20,8 +21,8 @@ class VerifierError(RuntimeError):
 
 
 def _serve(task_cfg: TaskConfig, conn) -> None:
-    """A worker: a list of (completion, entry) in; a list of (True, reward, seconds) or
-    (False, error message, seconds) out, one per item."""
+    """A worker: a list of (completion, entry) in; a list of ("ok", reward, seconds) or ("error" or
+    "contract", message, seconds) out, one per item."""
     from asyncrl.rewards.tasks import load_tasks
 
     tasks = load_tasks(task_cfg)
@@ -35,10 +36,12 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
         for completion, entry in items:
             start = time.process_time()
             try:
-                results.append((True, tasks.score(completion, entry), time.process_time() - start))
+                results.append(("ok", tasks.score(completion, entry), time.process_time() - start))
+            except ContractError as e:
+                results.append(("contract", str(e), time.process_time() - start))
             except Exception as e:  # a user's verifier may raise anything
                 results.append(
-                    (False, f"verifier raised {type(e).__name__}: {e}", time.process_time() - start)
+                    ("error", f"verifier raised {type(e).__name__}: {e}", time.process_time() - start)
                 )
         conn.send(results)
 
@@ -94,12 +97,13 @@ class VerifierPool:
     async def score(self, completion: str, entry: dict, timeout: float) -> float:
         """The reward; VerifierError if the verifier raised, hung past `timeout` or died."""
         result = (await self.score_many([(completion, entry)], timeout))[0]
-        if isinstance(result, VerifierError):
+        if isinstance(result, (VerifierError, ContractError)):
             raise result
         return result
 
     async def score_many(self, items: list[tuple[str, dict]], timeout: float) -> list:
-        """The reward of each (completion, entry), or the VerifierError that stands for it. The items
+        """The reward of each (completion, entry), or the VerifierError (or ContractError) that stands
+        for it. The items
         go to the workers in one chunk per worker: one round trip per chunk, not per item (the
         per-item round trips were a tenth of the orchestrator's CPU)."""
         size = max(1, -(-len(items) // self.workers))
@@ -141,7 +145,8 @@ class VerifierPool:
         finally:
             self.idle.put_nowait(worker)
         self.cpu_seconds += sum(seconds for _, _, seconds in answers)
-        return [value if ok else VerifierError(value) for ok, value, _ in answers]
+        return [value if status == "ok" else (ContractError if status == "contract" else VerifierError)(value)
+                for status, value, _ in answers]
 
     async def _started(self, worker: _Worker) -> None:
         try:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from typing import Any
 
 from asyncrl.config import ConfigError
+from asyncrl.fatal import ContractError
 from asyncrl.imports import import_object
 from asyncrl.sections import TaskConfig
 
@@ -165,17 +167,27 @@ class TaskSource:
         unknown = tokenizer.unk_token_id
         if unknown is not None and unknown in ids:  # (a char-level vocabulary; byte-level BPE has none)
             missing = sorted(c for c in set(text) if unknown in tokenizer.encode(c, add_special_tokens=False))
-            row = entry.get("metadata", {}).get("row")
-            where = f"{self.dataset.path} row {row + 1}" if row is not None else f"{self.cfg.name} item"
-            raise BadTaskRow(f"{where}: the prompt has characters the tokenizer cannot encode: "
+            raise BadTaskRow(f"{self.where(entry)}: the prompt has characters the tokenizer cannot encode: "
                              f"{''.join(missing)!r} (in {text[:60]!r})")
         return ids
 
+    def where(self, entry: dict[str, Any], index: int | None = None) -> str:
+        """Where an item comes from, for an error message: the file and row, else the dataset and index."""
+        row = entry.get("metadata", {}).get("row")
+        if isinstance(self.dataset, JsonlRows) and row is not None:
+            return f"{self.dataset.path} row {row + 1}"
+        return f"{self.cfg.name} item" + (f" {index}" if index is not None else "")
+
     def score(self, completion: str, entry: dict[str, Any]) -> float:
-        """Reward in [0, 1]; may raise (the caller records the error against the sample)."""
-        if self._verifier is not None:
-            return float(self._verifier(completion, entry))
-        return float(self.dataset.score_answer(completion.strip(), entry))
+        """Reward; may raise (the caller records the error against the sample). A verifier that returns
+        something other than a number breaks its contract: ContractError, which stops the run."""
+        if self._verifier is None:
+            return float(self.dataset.score_answer(completion.strip(), entry))
+        value = self._verifier(completion, entry)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ContractError(f"task.verifier = {self.cfg.verifier!r} returned {type(value).__name__} "
+                                f"{value!r:.60}; a verifier must return a number (the reward)")
+        return float(value)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -219,6 +231,9 @@ class MixedTasks:
 
     def prompt_ids(self, entry: dict[str, Any], tokenizer) -> list[int]:
         return self.sources[entry["task"]].prompt_ids(entry, tokenizer)
+
+    def where(self, entry: dict[str, Any], index: int | None = None) -> str:
+        return self.sources[entry["task"]].where(entry, index)
 
     def score(self, completion: str, entry: dict[str, Any]) -> float:
         return self.sources[entry["task"]].score(completion, entry)

@@ -19,6 +19,7 @@ import torch
 from asyncrl import checkpoint, weights
 from asyncrl.config import read_run_config
 from asyncrl.events import EventLog
+from asyncrl.fatal import FatalError, run_role
 from asyncrl.files import poll
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.ledger import batch_digest
@@ -80,11 +81,11 @@ def restore(run_dir: Path, cfg, events: EventLog):
 
 
 def check_finite(model, step: int, metrics: dict) -> None:
-    """Non-finite weights are never published or checkpointed: the trainer stops with why (a restart
-    replays the same step, so the run ends with this message once its restarts are spent)."""
+    """Non-finite weights are never published or checkpointed: the run stops with why (a restart would
+    replay the same step into the same weights)."""
     if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         return
-    raise RuntimeError(
+    raise FatalError(
         f"trainer: step {step} made the weights non-finite (lr {metrics['lr']:.3g}, "
         f"loss {metrics['loss']:.4g}, grad norm {metrics.get('grad_norm', float('nan')):.4g}); version "
         f"{step + 1} is not published, the last good version is {step}. Lower trainer.lr."
@@ -203,4 +204,4 @@ def main(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_role("trainer", sys.argv[1], lambda: main(sys.argv[1]))

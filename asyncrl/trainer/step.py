@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
 from asyncrl.profile import Phases
 from asyncrl.trajectory import Trajectory
@@ -179,6 +180,27 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     return metrics
 
 
+def check_objective(result, objective, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """An objective returns (per-token loss shaped like logp, with its gradient; a dict of metrics).
+    Anything else would fail the same way every step: ContractError, which stops the run."""
+    name = getattr(objective, "__qualname__", repr(objective))
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ContractError(f"objective {name} returned {type(result).__name__} {result!r:.60}; it must "
+                            "return (per-token loss tensor, metrics dict)")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ContractError(f"objective {name} returned a loss of shape {shape}; it must be per token, "
+                            f"shaped like inputs.logp {tuple(logp.shape)}")
+    if logp.requires_grad and not loss.requires_grad:
+        raise ContractError(f"objective {name} returned a loss without a gradient (detached from "
+                            "inputs.logp): training would not change the policy")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise ContractError(f"objective {name} returned metrics of type {type(metrics).__name__}; they must "
+                            "be a dict of name -> number")
+    return loss, metrics
+
+
 def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
     """(loss, logp, entropy, objective metrics) of one minibatch: forward, objective, KL and entropy terms."""
     obj, temperature = cfg.objective, cfg.rollout.temperature
@@ -191,7 +213,7 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
         prox = logp.detach()
     inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
                      mb["rewards"], mb["groups"])
-    per_token, obj_metrics = objective(inp, obj)
+    per_token, obj_metrics = check_objective(objective(inp, obj), objective, logp)
     if ref_model is not None and obj.kl_coef > 0:
         with torch.no_grad():
             ref = token_logprobs(ref_model, mb, temperature)[0]

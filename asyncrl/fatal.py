@@ -1,0 +1,52 @@
+"""Errors that no restart can fix, and how a role ends the run with one.
+
+A role that restarts after a deterministic error (a verifier that returns a string, weights that
+turned NaN, a run that cannot accept a single sample) meets the same error again: restarting it
+only hides the reason behind `run.max_restarts` restarts. Such an error is a `FatalError`. The
+role writes its sentence to `failure.json` and exits with FATAL_EXIT; the supervisor then stops
+the run at once with that sentence on the console instead of restarting the role.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from asyncrl.events import EventLog
+from asyncrl.files import write_atomic
+
+FATAL_EXIT = 3
+
+
+class FatalError(RuntimeError):
+    """The same inputs would fail the same way after a restart."""
+
+
+class ContractError(FatalError):
+    """A function the user supplied (verifier, objective, agent, tool) returned what its contract
+    does not allow."""
+
+
+def failure_file(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "failure.json"
+
+
+def read_failure(run_dir: str | Path) -> dict | None:
+    try:
+        return json.loads(failure_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_role(role: str, run_dir: str | Path, main: Callable[[], None]) -> None:
+    """Run a role's main; a FatalError ends the process with FATAL_EXIT after saying why."""
+    try:
+        main()
+    except FatalError as e:
+        record = {"role": role, "error": str(e), "kind": type(e).__name__, "wall_time": time.time()}
+        write_atomic(failure_file(run_dir), json.dumps(record))
+        EventLog(run_dir, role).write("run_stopped", reason=type(e).__name__, error=str(e))
+        print(f"{role}: {e}", flush=True)
+        sys.exit(FATAL_EXIT)
