@@ -9,7 +9,8 @@ from pathlib import Path
 
 # event names that tell the user something went wrong or around: drops, failures, recoveries
 NOTABLE = ("dropped", "failed", "error", "corrupt", "unreachable", "recovered", "restarted", "reissued",
-           "stopped", "replayed")
+           "replayed")
+SAID_BY_THE_ERROR = ("role_failed", "run_stopped")  # the run's final error says these in full
 EVENT_EVERY = 10.0
 
 
@@ -42,8 +43,8 @@ class Tail:
 
 
 class Progress:
-    def __init__(self, run_dir: Path, steps: int, out=sys.stdout):
-        self.steps, self.out = steps, out
+    def __init__(self, run_dir: Path, steps: int, out=None):
+        self.steps, self.out = steps, out or sys.stdout
         # a resumed run's earlier steps and events were shown by the launch that ran them
         self.metrics = Tail(run_dir / "metrics.jsonl", from_end=True)
         self.events = Tail(run_dir / "events.jsonl", from_end=True)
@@ -51,7 +52,7 @@ class Progress:
         self.counts: dict[tuple[str, str], int] = {}
         self.example: dict[tuple[str, str], str] = {}
         self.shown: dict[tuple[str, str], tuple[int, float]] = {}  # kind -> (count shown, when)
-        self.tty = out.isatty()
+        self.tty = self.out.isatty()
 
     def poll(self, final: bool = False) -> None:
         """Show what is new; `final`: every count that changed since it was last shown, however recently."""
@@ -75,7 +76,7 @@ class Progress:
                 kind = (str(record.get("of")), str(record.get("reason", "")))
                 self.counts[kind] = max(self.counts.get(kind, 0), int(record.get("count", 0)))
                 continue
-            if not any(word in event for word in NOTABLE):
+            if event in SAID_BY_THE_ERROR or not any(word in event for word in NOTABLE):
                 continue
             kind = (event, str(record.get("reason", "")))
             self.counts[kind] = self.counts.get(kind, 0) + 1

@@ -57,3 +57,16 @@ def by_word(completion: str, entry: dict) -> float:
     while completion == "burn" and time.process_time() - start < 0.05:
         pass
     return 1.0
+
+
+def always_raises(completion: str, entry: dict) -> float:
+    return 1 / 0
+
+
+def returns_text(completion: str, entry: dict) -> float:
+    return "correct"
+
+
+def detached_loss(inp, cfg):
+    per_token, metrics = ppo_clip(inp, cfg)
+    return per_token.detach(), metrics

@@ -170,3 +170,48 @@ def test_weights_that_turn_non_finite_are_never_published_and_the_run_says_why(t
     assert [p.name for p in published][-1] == f"v{good:06d}.safetensors"
     assert all(t.isfinite().all() for p in published for t in load_file(p).values())
     assert not (cfg.run_dir / "checkpoints" / f"step_{good + 1:06d}").exists()
+
+
+def test_a_run_that_cannot_accept_a_sample_stops_with_its_first_and_most_frequent_error(
+        tiny_model, tmp_path, tests_on_path, capsys):
+    """The circuit breaker: a verifier that always raises drops every sample; after
+    rollout.max_failed_samples of them in a row the run stops (not after timeouts.train_step), says
+    why on the console, and is not restarted into the same error."""
+    cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "faulty:always_raises", "run.steps": 3,
+                                              "rollout.max_failed_samples": 48, "task.eval_size": 0})
+    start = time.monotonic()
+    with pytest.raises(RunError) as err:
+        train(cfg, log=lambda *a, **k: None)
+    assert time.monotonic() - start < cfg.timeouts.train_step  # the breaker, not a timeout, ended it
+    message = str(err.value)
+    assert "no sample could be accepted: 48 failed in a row" in message, message
+    assert "First error: verifier_error: verifier raised ZeroDivisionError" in message
+    assert "Most frequent (48 of 48)" in message
+    events = read_events(cfg.run_dir)
+    assert not [e for e in events if e["event"] == "role_restarted"]
+    assert [e for e in events if e["event"] == "run_stopped" and e["reason"] == "RunCannotProgress"]
+    console = capsys.readouterr().out
+    assert "! sample_dropped (verifier_error):" in console and "ZeroDivisionError" in console
+
+
+def test_a_verifier_that_breaks_its_contract_stops_the_run_at_first_use(tiny_model, tmp_path, tests_on_path):
+    """A string where a reward belongs is a bug every sample would repeat: one sentence naming the
+    verifier and what it returned, no restarts, no thousand dropped samples."""
+    cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "faulty:returns_text", "run.steps": 3,
+                                              "task.eval_size": 0})
+    with pytest.raises(RunError) as err:
+        train(cfg, log=lambda *a, **k: None)
+    assert "task.verifier = 'faulty:returns_text' returned str 'correct'" in str(err.value), err.value
+    assert "the orchestrator stopped the run" in str(err.value)
+    events = read_events(cfg.run_dir)
+    assert not [e for e in events if e["event"] in ("role_restarted", "sample_dropped")]
+
+
+def test_an_objective_that_breaks_its_contract_stops_the_run_at_first_use(tiny_model, tmp_path, tests_on_path):
+    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:detached_loss", "run.steps": 3,
+                                              "task.eval_size": 0})
+    with pytest.raises(RunError) as err:
+        train(cfg, log=lambda *a, **k: None)
+    assert "the trainer stopped the run" in str(err.value)
+    assert "objective detached_loss returned a loss without a gradient" in str(err.value), err.value
+    assert not [e for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"]
