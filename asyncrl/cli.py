@@ -9,7 +9,9 @@
 """
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from asyncrl.config import ConfigError, load_config
 
@@ -32,6 +34,33 @@ def _take(args: list[str], flag: str, has_value: bool) -> str | bool | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit code: 0 done, 1 the run failed, 2 bad input (or an unforeseen error, said in one line
+    with its traceback in a log file), 130/143 stopped by Ctrl-C/SIGTERM (the run can be resumed)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nasyncrl: interrupted; a started run's directory is intact: asyncrl train --resume <run dir> "
+              "continues it", file=sys.stderr)
+        return 130
+    except Exception as e:
+        log = _save_traceback()
+        message = " ".join(str(e).split())[:300]
+        print(f"asyncrl: unexpected {type(e).__name__}: {message} (traceback: {log})", file=sys.stderr)
+        return 2
+
+
+def _save_traceback() -> str:
+    import tempfile
+    import time
+    import traceback
+
+    path = f"{tempfile.gettempdir()}/asyncrl-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    with open(path, "w") as f:
+        f.write(f"asyncrl {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}")
+    return path
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     commands = ("train", "warmstart", "report", "export")
     if not args or args[0] not in commands or args[0] in ("-h", "--help"):
@@ -42,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         if command == "report":
             from asyncrl.report import table, write_report
 
-            if not rest:
+            if len(rest) != 1:
                 raise ConfigError("usage: asyncrl report RUN_DIR")
+            if not (Path(rest[0]) / "metrics.jsonl").exists():
+                raise ConfigError(f"{rest[0]} is not a run directory with metrics (no metrics.jsonl)")
             print(table(write_report(rest[0])))
             return 0
         if command == "export":

@@ -250,4 +250,9 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
 
 
 def read_run_config(run_dir: str | Path) -> Config:
-    return Config.model_validate_json((Path(run_dir) / "config.json").read_text())
+    path = Path(run_dir) / "config.json"
+    try:
+        return Config.model_validate_json(path.read_text())
+    except ValueError as e:  # (pydantic's ValidationError is one)
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"{path} is not a readable run config: {' '.join(first[:3])[:300]}") from None

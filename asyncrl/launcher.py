@@ -21,15 +21,14 @@ from asyncrl.config import (
     save_config,
 )
 from asyncrl.events import EventLog
+from asyncrl.preflight import check_inputs
 from asyncrl.progress import Progress
+from asyncrl.resume_check import check_resumable
 from asyncrl.run_lock import run_lock
-from asyncrl.sections import ModelConfig
 from asyncrl.supervisor import RunError, Supervisor
 from asyncrl.threads import plan_threads
 
 __all__ = ["RunError", "Stopped", "check_inputs", "prepare_run_dir", "resume", "train"]
-
-DEFAULT_MODEL = ModelConfig().path
 
 def check_run_dir(cfg: Config) -> None:
     """Whether the run may use its directory: asked before any input check, warm start or planning."""
@@ -63,86 +62,6 @@ def is_run_dir(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(saved, dict) and {"run", "rollout", "trainer"} <= saved.keys()
-
-
-def check_inputs(cfg: Config, log=print) -> None:
-    """Fail before any process starts: model, task and objective must all resolve."""
-    from asyncrl.objectives import get_objective
-    from asyncrl.rewards.tasks import load_tasks
-
-    load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
-    buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
-    if buildable:
-        from asyncrl.warmstart import is_current, warmstart
-
-        if not Path(cfg.model.path).exists():
-            log(f"{cfg.model.path} is missing: building the tiny policy first")
-            warmstart(cfg, cfg.model.path, log=log)
-        elif not is_current(cfg, cfg.model.path):
-            log(
-                f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): "
-                "building it again"
-            )
-            warmstart(cfg, cfg.model.path, log=log)
-    elif not Path(cfg.model.path).exists():
-        _check_hub_model(cfg.model.path)
-    _check_prompts(cfg, log)
-    agents = {path for path in cfg.agent_paths().values() if path}
-    if agents:
-        from asyncrl.agents.runner import chat_template, load_agent
-
-        for path in agents:
-            load_agent(path)
-        chat_template(cfg.agent.chat_template)
-    get_objective(cfg.objective.name, cfg.objective.import_path)
-
-
-def _check_prompts(cfg: Config, log) -> None:
-    """task.chat needs a chat template; a thin held-out set is said before the run, not found after it."""
-    from asyncrl.rewards.tasks import eval_entries, load_tasks
-
-    model = Path(cfg.model.path)
-    if cfg.task.chat and model.is_dir() and not _has_chat_template(model):
-        raise ConfigError(f"task.chat = true but the tokenizer in {model} has no chat template; "
-                          "set task.chat = false to send prompts as plain text")
-    held_out = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
-    found = len(eval_entries(held_out, cfg.task.eval_size)) if held_out else cfg.task.eval_size
-    if found < cfg.task.eval_size:
-        why = (
-            (
-                f"task.holdout = {cfg.task.holdout} keeps few of a task with few distinct items apart "
-                "(task.holdout = 0 "
-                "evaluates on the whole task instead)"
-            )
-            if cfg.task.holdout
-            else "the task has no more distinct items"
-        )
-        log(
-            f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked "
-            f"(task.eval_size): {why}"
-        )
-
-
-def _has_chat_template(model: Path) -> bool:
-    if (model / "chat_template.jinja").exists():
-        return True
-    try:
-        return bool(json.loads((model / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
-
-
-def _check_hub_model(name: str) -> None:
-    """A model.path that is not a local directory must at least resolve on the hub (or its cache)."""
-    from transformers import AutoConfig
-
-    try:
-        AutoConfig.from_pretrained(name)
-    except Exception as e:
-        raise ConfigError(
-            f"model.path = {name!r} is not a local directory and cannot be loaded as a hub model "
-            f"({type(e).__name__}); run `asyncrl warmstart` for the tiny default or fix the path"
-        ) from None
 
 
 class Stopped(RunError):
@@ -228,6 +147,7 @@ def _resume(run_dir: Path, overrides: list[str] | None, force: bool, log) -> Pat
     for line in meaning + harmless:
         log(f"resume: {line}")
     check_inputs(new, log)
+    check_resumable(run_dir, log)
     save_config(new, run_dir / "config.json")
     EventLog(run_dir, "launcher").write("run_resumed", changes=meaning + harmless, forced=bool(meaning))
     log(f"resuming {run_dir}: {new.run.steps} steps")

@@ -116,7 +116,8 @@ def main() -> None:
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.launcher import check_inputs, prepare_run_dir
+    from asyncrl.launcher import prepare_run_dir
+    from asyncrl.preflight import check_inputs
     from asyncrl.supervisor import start_role, stop, wait_for_inference
 
     torch.set_num_threads(1)

@@ -207,7 +207,7 @@ def test_a_verifier_that_breaks_its_contract_stops_the_run_at_first_use(tiny_mod
     assert not [e for e in events if e["event"] in ("role_restarted", "sample_dropped")]
 
 
-def test_an_objective_that_breaks_its_contract_stops_the_run_at_first_use(tiny_model, tmp_path, tests_on_path):
+def test_an_objective_that_breaks_its_contract_stops_the_run(tiny_model, tmp_path, tests_on_path):
     cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:detached_loss", "run.steps": 3,
                                               "task.eval_size": 0})
     with pytest.raises(RunError) as err:
@@ -215,3 +215,38 @@ def test_an_objective_that_breaks_its_contract_stops_the_run_at_first_use(tiny_m
     assert "the trainer stopped the run" in str(err.value)
     assert "objective detached_loss returned a loss without a gradient" in str(err.value), err.value
     assert not [e for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"]
+
+
+def test_a_broken_model_directory_is_named_before_any_role_starts(tiny_model, tmp_path):
+    """An empty directory, a missing config or a truncated weights file: one line naming the path and
+    the file, exit code 2, no traceback, no run directory."""
+    import shutil
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_model, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    for model, said in [(empty, "has no config.json"), (truncated, "model.safetensors is truncated")]:
+        out = cli("train", "--model.path", str(model), "--run.root", str(tmp_path / "runs"))
+        assert out.returncode == 2, out.stderr
+        assert str(model) in out.stderr and said in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs" / "default").exists()
+
+
+def test_an_unforeseen_error_is_one_line_and_a_traceback_file(tmp_path):
+    """Whatever the CLI did not foresee (here: a run directory's config.json that is not JSON) is one
+    line naming the error and the file that holds the traceback, exit code 2."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{not json")
+    out = cli("train", "--resume", str(run))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "config.json is not a readable run config" in out.stderr, out.stderr
+    (run / "metrics.jsonl").write_text('{"step": "one"}\n')  # nothing checks a hand-edited record
+    out = cli("report", str(run))
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "asyncrl: unexpected" in out.stderr
+    log = out.stderr.split("(traceback: ")[1].split(")")[0]
+    assert "Traceback" in open(log).read()

@@ -82,6 +82,20 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
     assert proc.returncode == 143 and "--resume" in out
     newest = sorted(checkpoints_dir(run_dir).glob("step_*"))[-1]
     (newest / "trainer_state.pt").write_bytes(b"half a file")
+    # the newest published weights truncated: found by their hash, published again by the trainer
+    version = sorted(p for p in (run_dir / "weights").glob("v*.safetensors") if ".patch" not in p.name)[-1]
+    version.write_bytes(version.read_bytes()[: version.stat().st_size // 2])
+    # without its ledger the run cannot go on: refused in one sentence, nothing started
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for f in run_dir.glob("ledger.db*"):
+        f.rename(aside / f.name)
+    refused = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "ledger" in refused.stderr and "is missing" in refused.stderr
+    assert "Traceback" not in refused.stderr and not list(run_dir.glob("ledger.db*"))
+    for f in aside.iterdir():
+        f.rename(run_dir / f.name)
 
     refused = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run_dir),
                               "--rollout.max_staleness", "4"], capture_output=True, text=True, timeout=120)
@@ -92,6 +106,7 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
                               "--timeouts.http", "90"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "timeouts.http: 60.0 -> 90.0" in resumed.stdout
+    assert f"{version.name} did not match its hash" in resumed.stdout
     events = read_events(run_dir)
     corrupt = [e for e in events if e["event"] == "checkpoint_corrupt"]
     assert corrupt and newest.name in corrupt[0]["detail"] and "checksum" in corrupt[0]["detail"]

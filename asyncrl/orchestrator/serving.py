@@ -13,6 +13,7 @@ from pathlib import Path
 
 from asyncrl import weights
 from asyncrl.events import EventLog
+from asyncrl.files import apoll
 from asyncrl.inference.client import InferenceClient, InferenceUnavailable
 
 ATTEMPTS = 3  # a call whose server dies under it this often fails (a prompt so failing is dropped)
@@ -46,9 +47,14 @@ class Serving:
                               version=self.version)
 
     async def ensure(self) -> None:
-        """A restarted server holds the initial weights: load the version the run is at."""
+        """A restarted server holds the initial weights: load the version the run is at (whose file, if
+        a resume found it damaged, the trainer is publishing again)."""
         held = (await self.client.version())["version"]
         if held != self.version and self.version > 0:
+            marker = weights.marker_file(self.run_dir, self.version)
+            await apoll(marker.exists, self.cfg.timeouts.train_step,
+                        f"orchestrator: the served version {self.version} ({marker}) was not published again "
+                        f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", every=0.05)
             body = weights.load_request(self.run_dir, self.version, patch=False)
             await self.client.update_weights(body, self.cfg.timeouts.weight_load)
 
