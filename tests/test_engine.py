@@ -198,3 +198,23 @@ def test_abort_all_returns_partial_samples():
     e.step()
     assert e.abort_all() == 4
     assert all(s.sample.finish_reason in ("abort", "stop") for s in seqs) and not e.has_work()
+
+
+def test_cancelled_sequences_free_their_rows_and_the_rest_match_an_undisturbed_run():
+    """A request abandoned mid-generation (its client went away) stops generating: its running rows and
+    waiting entries go, and the other requests' samples are what they would have been."""
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = engine().generate(PROMPTS[:2], params)
+    e = engine(max_sequences=3)
+    kept = [Sequence(p, params) for p in PROMPTS[:2]]
+    abandoned = [Sequence(p, params) for p in PROMPTS[2:] * 2]  # one runs, three wait
+    e.add(kept + abandoned)
+    e.step()
+    e.step()
+    assert len(e.running) == 3 and len(e.waiting) == 3
+    assert e.cancel(abandoned) == 4
+    assert len(e.running) == 2 and not e.waiting
+    while any(s.sample.finish_reason is None for s in kept):
+        e.step()
+    assert [s.sample.token_ids for s in kept] == [s.token_ids for s in alone]
+    assert all(s.sample.finish_reason is None for s in abandoned) and not e.has_work()

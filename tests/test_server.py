@@ -235,3 +235,26 @@ def test_pause_resume_abort(server):
     assert stats["waiting"] + stats["running"] >= 2
     assert [c["finish_reason"] for c in choices] == ["abort", "abort"]
     assert after[0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_request_whose_client_goes_away_stops_generating(server):
+    """Cancelled on the client (a group retried, a run stopping): the server drops its sequences
+    instead of generating them for no one. Paused, so the request is certainly still waiting."""
+    url = server[0]
+
+    async def go(client):
+        await client._call("POST", "/pause", "pause")
+        pending = asyncio.create_task(client.complete([[1, 5, 6]], n=6, max_tokens=50, temperature=1.0))
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await client.stats())["waiting"] < 6:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        pending.cancel()  # the connection closes: the server cancels the request's handler
+        while (stats := await client.stats())["waiting"] > 0:
+            assert asyncio.get_running_loop().time() < deadline, stats
+            await asyncio.sleep(0.02)
+        await client._call("POST", "/resume", "resume")
+        return stats
+
+    stats = call(go, url)
+    assert stats["waiting"] == 0 and stats["running"] == 0

@@ -264,6 +264,23 @@ class Engine:
         self._clear()
         self._prefill(running, [s.tokens for s in running])
 
+    def cancel(self, seqs: list[Sequence]) -> int:
+        """Drop sequences whose request was abandoned (the client went away): out of the waiting
+        list at once, their running rows freed like finished ones (compacted away on a later
+        step). Returns how many were still running or waiting."""
+        gone = {id(s) for s in seqs}
+        before = len(self.waiting)
+        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        dropped = before - len(self.waiting)
+        for row, seq in enumerate(self.rows):
+            if seq is not None and id(seq) in gone:
+                self.tokens_discarded += len(seq.sample.token_ids)
+                self.rows[row] = None
+                dropped += 1
+        if self.rows and not self.running:
+            self._clear()
+        return dropped
+
     def abort_all(self) -> int:
         """Finish every running and waiting sequence now with finish_reason "abort"."""
         seqs = self.running + list(self.waiting)

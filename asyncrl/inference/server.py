@@ -55,6 +55,7 @@ class Worker:
         self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
         self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
         self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
+        self.requests: dict[asyncio.Future, list[Sequence]] = {}  # requests being served (engine thread)
         self.phases = Phases()  # generate, load_weights (engine thread), respond (event loop)
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
@@ -120,9 +121,11 @@ class Worker:
         def done(_seq: Sequence) -> None:
             left[0] -= 1
             if left[0] == 0:
+                self.requests.pop(future, None)
                 self._resolve(future, [s.sample for s in seqs])
 
         seqs.extend(Sequence(p, params, done) for p in prompts)
+        self.requests[future] = seqs
         self.engine.add(seqs)
         with self.queued_lock:
             self.queued_sequences -= len(prompts)
@@ -165,6 +168,11 @@ class Worker:
             )
         return "full"
 
+    def _cmd_hash(self, future) -> None:
+        model = self.engine.model
+        self._resolve(future, {"version": self.engine.version,
+                               "hash": weights.state_hash(weights.model_state(model))})
+
     def _cmd_pause(self, future) -> None:
         self.paused = True
         self._resolve(future, {"paused": True})
@@ -172,6 +180,10 @@ class Worker:
     def _cmd_resume(self, future) -> None:
         self.paused = False
         self._resolve(future, {"paused": False})
+
+    def _cmd_cancel(self, future, request: asyncio.Future) -> None:
+        seqs = self.requests.pop(request, None)
+        self._resolve(future, {"cancelled": self.engine.cancel(seqs) if seqs else 0})
 
     def _cmd_abort(self, future) -> None:
         self._resolve(future, {"aborted": self.engine.abort_all()})
@@ -257,7 +269,12 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
                 f"{worker.waiting()} sequences are already waiting "
                 f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later",
             )
-        samples = await worker.call("generate", prompts, params)
+        request_done = worker.call("generate", prompts, params)
+        try:
+            samples = await request_done
+        except asyncio.CancelledError:  # the client went away: its rows stop generating
+            worker.call("cancel", request_done)
+            raise
         with worker.phases("respond"):
             return _completion_response(samples, n, prompts, tokenizer, model_name)
 
@@ -285,10 +302,9 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         return web.json_response(fut.result())
 
     async def version(request: web.Request) -> web.Response:
-        out = {"version": engine.version}
-        if request.query.get("hash"):
-            out["hash"] = weights.state_hash(weights.model_state(engine.model))
-        return web.json_response(out)
+        if request.query.get("hash"):  # on the engine thread, between steps: never mid-update
+            return web.json_response(await worker.call("hash"))
+        return web.json_response({"version": engine.version})
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": engine.version})
@@ -360,7 +376,8 @@ async def serve(run_dir: Path) -> None:
         engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference")
     )
     app = make_app(worker, tokenizer, cfg.model.path, cfg)
-    runner = web.AppRunner(app, access_log=None)
+    # handler_cancellation: a request whose client disconnects is cancelled, and with it its sequences
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = await _bind(
         runner, cfg.inference.host, cfg.inference.port or int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
