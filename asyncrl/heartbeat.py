@@ -3,6 +3,8 @@ file's age. A role that is alive but stuck stops beating and is restarted like a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,26 @@ class Heartbeat:
         if force or now - self.last >= self.every:
             self.path.touch()  # sets the mtime the supervisor reads
             self.last = now
+
+    @contextlib.contextmanager
+    def through(self, limit: float):
+        """Beat from a thread while a long call blocks this one (a training step may outlast
+        timeouts.heartbeat), for at most `limit` seconds: past it the beats stop, and the supervisor
+        sees what it should, a stuck role."""
+        stop = threading.Event()
+        end = time.monotonic() + limit
+
+        def beat() -> None:
+            while not stop.wait(self.every) and time.monotonic() < end:
+                self.path.touch()
+
+        thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     async def beat_forever(self, every: float = 0.5) -> None:
         """Beat while the event loop runs: a loop that blocks stops beating and is restarted."""

@@ -270,6 +270,9 @@ class TimeoutConfig(Section):
     verifier: float = Field(10.0, gt=0)
     checkpoint: float = Field(600.0, gt=0, description="trainer writing one checkpoint in the background")
     heartbeat: float = Field(300.0, gt=0, description="a role silent this long is restarted")
+    step_compute: float = Field(
+        600.0, gt=0, description="one training step's compute; the trainer beats through it up to this long"
+    )
     episode: float = Field(300.0, gt=0, description="one agent episode, all its turns and tools")
     tool: float = Field(30.0, gt=0, description="one tool call, unless the tool sets its own")
     no_accepted_sample: float = Field(

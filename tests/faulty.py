@@ -70,3 +70,12 @@ def returns_text(completion: str, entry: dict) -> float:
 def detached_loss(inp, cfg):
     per_token, metrics = ppo_clip(inp, cfg)
     return per_token.detach(), metrics
+
+
+def slow_once_loss(inp, cfg):
+    """The first trainer process to call it takes 12 s over one step (a long step, not a hang)."""
+    flag = Path(os.environ["ASYNCRL_TEST_FLAG"])
+    if not flag.exists():
+        flag.touch()
+        time.sleep(12)
+    return ppo_clip(inp, cfg)

@@ -132,13 +132,16 @@ def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_pa
 def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
     tiny_model, tmp_path, tests_on_path, monkeypatch
 ):
-    """The trainer hangs once, forever; everything else goes on. Another role silent for 6 s on a
-    loaded machine would be restarted too, which is right: only the trainer's restart is asserted."""
+    """The trainer hangs once, forever, inside a step: it beats through a step for
+    timeouts.step_compute, then falls silent and is restarted; everything else goes on. Another role
+    silent for 6 s on a loaded machine would be restarted too, which is right: only the trainer's
+    restart is asserted."""
     monkeypatch.setenv("ASYNCRL_TEST_FLAG", str(tmp_path / "hung-once"))
     cfg = job_config(
         tmp_path,
         tiny_model,
-        **{"objective.import_path": "faulty:hang_once_loss", "run.steps": 4, "timeouts.heartbeat": 6},
+        **{"objective.import_path": "faulty:hang_once_loss", "run.steps": 4, "timeouts.heartbeat": 6,
+           "timeouts.step_compute": 6},
     )
     run_dir = train(cfg, log=lambda *a, **k: None)
     restarts = [
@@ -146,6 +149,19 @@ def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
     ]
     assert len(restarts) == 1 and "no heartbeat" in restarts[0]["why"]
     assert_nothing_lost(run_dir)
+
+
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_hang(tiny_model, tmp_path, tests_on_path,
+                                                                 monkeypatch):
+    """One step takes 12 s with timeouts.heartbeat = 4: the trainer beats through it (deterministic:
+    the beating thread runs every second whatever the step does) and is never restarted."""
+    monkeypatch.setenv("ASYNCRL_TEST_FLAG", str(tmp_path / "slow-once"))
+    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:slow_once_loss",
+                                              "run.steps": 3, "timeouts.heartbeat": 4, "task.eval_size": 0})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    assert (tmp_path / "slow-once").exists()
+    events = read_events(run_dir)
+    assert [e for e in events if e["event"] == "role_restarted" and e["target"] == "trainer"] == []
 
 
 def test_roles_die_with_their_launcher_however_it_dies(tiny_model, tmp_path):

@@ -156,9 +156,10 @@ def main(run_dir: str) -> None:
         with phases("read_batch"):
             trajs = read_batch(path)
         t1 = time.monotonic()
-        metrics = train_step(
-            model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases
-        )
+        with heartbeat.through(cfg.timeouts.step_compute):  # a long step is not a hung one
+            metrics = train_step(
+                model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases
+            )
         metrics["lr"] = scheduler.get_last_lr()[0]
         check_finite(model, step, metrics)
         scheduler.step()
