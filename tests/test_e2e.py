@@ -32,6 +32,20 @@ def test_staleness_bound_holds_for_every_trained_sample(tiny_model, tmp_path, et
     assert (run_dir / "checkpoints" / f"step_{cfg.run.steps:06d}" / "model.safetensors").exists()
 
 
+def test_one_group_at_a_time_never_waits_for_a_wake_up(tiny_model, tmp_path):
+    """rollout.max_concurrent_groups = 1: each finished group must free its slot before admission hears
+    of it, or admission sleeps until the next event (the next version, which needs this group:
+    timeouts.train_step, then a failed run). Deterministic where it matters; measured: with the order
+    reverted it still passes on Python 3.11, whose asyncio.wait_for runs the wait in a task of its own
+    and re-checks only after the finished task has left in_flight (3.12 runs it in the same task)."""
+    cfg = job_config(tmp_path, tiny_model, **{"rollout.max_concurrent_groups": 1, "run.steps": 3,
+                                              "timeouts.train_step": 45, "task.eval_size": 0})
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["in_flight_groups"] <= 1 for r in steps)
+
+
 def test_reward_rises(tiny_model, tmp_path, record):
     """40 steps of the default recipe's RL lift greedy accuracy on 500 held-out prompts by 15 points.
 
