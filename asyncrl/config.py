@@ -6,6 +6,7 @@ Imports no torch, so the CLI can reject a bad config before any role starts.
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +108,30 @@ class Config(Section):
         return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
 
 
-def _parse_value(text: str) -> Any:
-    """An override value: TOML/JSON literal when it parses as one, else the plain string."""
+def _parse_value(text: str, key: str = "") -> Any:
+    """An override value: TOML/JSON literal when it parses as one, else the plain string; always the
+    string for a text setting (`--run.name nan` is a name, not a float)."""
+    if _is_text(key):
+        return text
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def _is_text(key: str) -> bool:
+    """Whether the setting at dotted `key` holds text (str, optional str, or a choice of strings)."""
+    model, field = Config, None
+    for part in key.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        field = model.model_fields[part]
+        model = field.annotation
+    options = typing.get_args(model) if typing.get_origin(model) is typing.Literal else ()
+    if options:
+        return all(isinstance(o, str) for o in options)
+    kinds = [k for k in (typing.get_args(model) or (model,)) if k is not type(None)]
+    return field is not None and kinds == [str]
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -131,7 +150,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = _parse_value(value)
+        node[leaf] = _parse_value(value, key)
     return tree
 
 

@@ -132,6 +132,16 @@ def test_run_name_is_a_plain_name(name):
     assert "run.name" in str(err.value)
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "123", "true", "1e3"])
+def test_a_text_setting_keeps_what_was_typed(text):
+    """Override values are parsed as TOML literals, except where the setting is text: `--run.name nan`
+    is a run called nan, not a float that fails validation."""
+    cfg = load_config(overrides=["--run.name", text, "--task.verifier", f"{text}:fn", "--rollout.advantage",
+                                 "rloo", "--trainer.lr", "1e-3"])
+    assert cfg.run.name == text and cfg.task.verifier == f"{text}:fn"
+    assert cfg.rollout.advantage == "rloo" and cfg.trainer.lr == 1e-3
+
+
 def test_overwrite_deletes_only_an_asyncrl_run(tmp_path):
     from asyncrl.launcher import prepare_run_dir
 

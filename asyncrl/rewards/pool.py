@@ -150,6 +150,8 @@ class VerifierPool:
             worker = self._discard(worker)
             raise
         except (EOFError, OSError) as e:
+            if worker:  # it has closed its pipe by dying: its exit code is a moment away
+                worker.process.join(0.05)
             code = worker.process.exitcode if worker else None
             worker = self._discard(worker)
             return VerifierError(f"verifier process died (exit code {code}): {type(e).__name__}")
