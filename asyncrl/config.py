@@ -272,6 +272,8 @@ def read_run_config(run_dir: str | Path) -> Config:
     path = Path(run_dir) / "config.json"
     try:
         return Config.model_validate_json(path.read_text())
-    except ValueError as e:  # (pydantic's ValidationError is one)
-        first = str(e).strip().splitlines()
-        raise ConfigError(f"{path} is not a readable run config: {' '.join(first[:3])[:300]}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ConfigError(f"{path} is not a readable run config: {where + ': ' if where else ''}"
+                          f"{first['msg']}") from None

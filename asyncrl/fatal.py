@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +46,7 @@ def run_role(role: str, run_dir: str | Path, main: Callable[[], None]) -> None:
     try:
         main()
     except FatalError as e:
+        traceback.print_exc()  # (into the role's log: where in the user's code)
         record = {"role": role, "error": str(e), "kind": type(e).__name__, "wall_time": time.time()}
         write_atomic(failure_file(run_dir), json.dumps(record))
         EventLog(run_dir, role).write("run_stopped", reason=type(e).__name__, error=str(e))

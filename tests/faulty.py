@@ -79,3 +79,9 @@ def slow_once_loss(inp, cfg):
         flag.touch()
         time.sleep(12)
     return ppo_clip(inp, cfg)
+
+
+def crashing_loss(inp, cfg):
+    """The trainer process dies (as a segfault or the OOM killer would end it): a restart may help."""
+    print("trainer: crashed on purpose", flush=True)
+    os._exit(1)

@@ -207,13 +207,19 @@ def test_a_verifier_that_breaks_its_contract_stops_the_run_at_first_use(tiny_mod
     assert not [e for e in events if e["event"] in ("role_restarted", "sample_dropped")]
 
 
-def test_an_objective_that_breaks_its_contract_stops_the_run(tiny_model, tmp_path, tests_on_path):
-    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": "faulty:detached_loss", "run.steps": 3,
+@pytest.mark.parametrize("objective, said", [
+    ("detached_loss", "objective detached_loss returned a loss without a gradient"),
+    ("exploding_loss", "objective exploding_loss raised RuntimeError: objective exploded"),
+])
+def test_an_objective_that_breaks_its_contract_stops_the_run(tiny_model, tmp_path, tests_on_path, objective,
+                                                             said):
+    """A loss with no gradient, or one that raises: the same batch would do the same after a restart."""
+    cfg = job_config(tmp_path, tiny_model, **{"objective.import_path": f"faulty:{objective}", "run.steps": 3,
                                               "task.eval_size": 0})
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
     assert "the trainer stopped the run" in str(err.value)
-    assert "objective detached_loss returned a loss without a gradient" in str(err.value), err.value
+    assert said in str(err.value), err.value
     assert not [e for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"]
 
 

@@ -120,12 +120,12 @@ def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_pa
     cfg = job_config(
         tmp_path,
         tiny_model,
-        **{"objective.import_path": "faulty:exploding_loss", "run.max_restarts": 1, "run.warm_spare": "off"},
+        **{"objective.import_path": "faulty:crashing_loss", "run.max_restarts": 1, "run.warm_spare": "off"},
     )  # (warm_spare off: the cold restart path)
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
     message = str(err.value)
-    assert "trainer exited with code 1 after 1 restarts" in message and "objective exploded" in message
+    assert "trainer exited with code 1 after 1 restarts" in message and "crashed on purpose" in message
     assert [e["target"] for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"] == ["trainer"]
 
 

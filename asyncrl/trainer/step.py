@@ -185,7 +185,8 @@ def check_objective(result, objective, logp: torch.Tensor) -> tuple[torch.Tensor
     Anything else would fail the same way every step: ContractError, which stops the run."""
     name = getattr(objective, "__qualname__", repr(objective))
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise ContractError(f"objective {name} returned {type(result).__name__} {result!r:.60}; it must "
+        shown = "" if isinstance(result, torch.Tensor) else f" {result!r:.60}"
+        raise ContractError(f"objective {name} returned {type(result).__name__}{shown}; it must "
                             "return (per-token loss tensor, metrics dict)")
     loss, metrics = result
     if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
@@ -213,7 +214,12 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
         prox = logp.detach()
     inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
                      mb["rewards"], mb["groups"])
-    per_token, obj_metrics = check_objective(objective(inp, obj), objective, logp)
+    try:
+        result = objective(inp, obj)
+    except Exception as e:  # the same batch after a restart raises the same way: say so once, stop
+        name = getattr(objective, "__qualname__", repr(objective))
+        raise ContractError(f"objective {name} raised {type(e).__name__}: {e}") from e
+    per_token, obj_metrics = check_objective(result, objective, logp)
     if ref_model is not None and obj.kl_coef > 0:
         with torch.no_grad():
             ref = token_logprobs(ref_model, mb, temperature)[0]
