@@ -210,7 +210,7 @@ def test_a_verifier_that_breaks_its_contract_stops_the_run_at_first_use(tiny_mod
 @pytest.mark.parametrize("objective, said", [
     ("detached_loss", "objective detached_loss returned a loss without a gradient"),
     ("exploding_loss", "objective exploding_loss raised RuntimeError: objective exploded"),
-])
+], ids=["detached", "raises"])
 def test_an_objective_that_breaks_its_contract_stops_the_run(tiny_model, tmp_path, tests_on_path, objective,
                                                              said):
     """A loss with no gradient, or one that raises: the same batch would do the same after a restart."""
