@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from asyncrl.access import ensure_token
 from asyncrl.config import (
     Config,
     ConfigError,
@@ -51,6 +52,7 @@ def prepare_run_dir(cfg: Config) -> Path:
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     save_config(cfg, run_dir / "config.json")
+    ensure_token(run_dir)
     return run_dir
 
 
@@ -149,6 +151,7 @@ def _resume(run_dir: Path, overrides: list[str] | None, force: bool, log) -> Pat
     check_inputs(new, log)
     check_resumable(run_dir, log)
     save_config(new, run_dir / "config.json")
+    ensure_token(run_dir)  # (a run from before tokens)
     EventLog(run_dir, "launcher").write("run_resumed", changes=meaning + harmless, forced=bool(meaning))
     log(f"resuming {run_dir}: {new.run.steps} steps")
     return _run(new, run_dir, log)

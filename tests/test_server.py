@@ -6,21 +6,25 @@ import torch
 from conftest import inference_server
 
 from asyncrl import weights
+from asyncrl.access import read_token
 from asyncrl.inference.client import InferenceClient, InferenceError
 from asyncrl.model import load_policy
 from asyncrl.trainer.step import collate, token_logprobs
 from asyncrl.trajectory import Trajectory
 
+TOKEN = {}  # url -> the run's token
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     with inference_server(tmp_path_factory.mktemp("srv"), tiny_model) as (url, run_dir):
+        TOKEN[url] = read_token(run_dir)
         yield url, run_dir, tiny_model
 
 
-def call(coro_fn, url):
+def call(coro_fn, url, token=True):
     async def go():
-        async with InferenceClient(url, timeout=30) as client:
+        async with InferenceClient(url, timeout=30, token=TOKEN.get(url) if token else None) as client:
             await client.wait_healthy(30)
             return await coro_fn(client)
 
@@ -258,3 +262,39 @@ def test_a_request_whose_client_goes_away_stops_generating(server):
 
     stats = call(go, url)
     assert stats["waiting"] == 0 and stats["running"] == 0
+
+
+def test_admin_calls_need_the_runs_token_and_load_only_the_runs_own_weights(server, tmp_path):
+    """Without the token: 401 on what changes the served policy, generation still open on loopback.
+    With it: a path outside the run's weights/ is refused (any local process could name any file),
+    and a file missing some of the model's tensors is refused instead of half-loaded."""
+    url, run_dir, model_path = server
+    state = weights.model_state(load_policy(model_path)[0])
+    weights.publish(tmp_path, 7, state, {})
+    outside = run_dir.parent / "elsewhere.safetensors"  # reached from weights/ by ../..
+    outside.write_bytes(weights.weights_file(tmp_path, 7).read_bytes())
+    partial = weights.weights_file(run_dir, 8)
+    weights.publish(run_dir, 8, dict(list(state.items())[:-2]), {})
+
+    async def anonymous(client):
+        refused = [await client._request("POST", path, "x", 10) for path in ("/pause", "/update_weights")]
+        return refused, await client.complete([[1, 5, 6]], n=1, max_tokens=2, temperature=1.0)
+
+    async def foreign(client):
+        errors = []
+        for body in ({"path": str(weights.weights_file(tmp_path, 7)), "version": 7},
+                     {"path": f"{run_dir}/weights/../../{outside.name}", "version": 7},
+                     {"path": str(partial), "version": 8}):
+            try:
+                await client.update_weights(body, 30)
+            except InferenceError as e:
+                errors.append(str(e))
+        return errors, await client.version()
+
+    refused, generated = call(anonymous, url, token=False)
+    assert [status for status, _, _ in refused] == [401, 401] and "RUN_DIR/token" in str(refused[0][1])
+    assert generated[0]["finish_reason"] in ("stop", "length")
+    errors, version = call(foreign, url)
+    assert len(errors) == 3 and version["version"] != 7 and version["version"] != 8
+    assert all("a server loads only files under its run's weights/" in e for e in errors[:2]), errors
+    assert "does not hold this model's weights: 2 tensors missing" in errors[2], errors[2]

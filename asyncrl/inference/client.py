@@ -28,15 +28,17 @@ def _seconds(header: str | None) -> float | None:
 
 
 class InferenceClient:
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, token: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}  # the run's (asyncrl/access.py)
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "InferenceClient":
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             connector=aiohttp.TCPConnector(limit=0),
+            headers=self.headers,
         )
         return self
 
@@ -124,10 +126,11 @@ class InferenceClient:
                 await asyncio.sleep(0.2)
 
 
-def client_for(cfg, url: str):
-    """The client of the configured engine at `url`: asyncrl's own server, or a vLLM one."""
+def client_for(cfg, url: str, token: str | None = None):
+    """The client of the configured engine at `url`: asyncrl's own server (with the run's token), or a
+    vLLM one."""
     if cfg.inference.engine == "vllm":
         from asyncrl.inference.vllm_client import VLLMClient
 
         return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
-    return InferenceClient(url, cfg.timeouts.http)
+    return InferenceClient(url, cfg.timeouts.http, token)

@@ -8,9 +8,12 @@
     POST /pause, /resume   stop and restart stepping (requests keep queueing)
     POST /abort            end every running and waiting request now (finish_reason "abort")
 
-One worker thread owns the engine and runs it with continuous batching; requests join the
-running batch at the next token boundary. A weight update lands at a token boundary too
-(`policy`: interrupt, keep, abort or finish; default inference.update_policy).
+The admin endpoints (update_weights, pause, resume, abort) need the run's token, and every endpoint
+does when the server is bound beyond loopback; /update_weights loads only files under the run's
+weights/ (asyncrl/access.py). One worker thread (asyncrl/inference/worker.py) owns the engine
+and runs it with continuous batching; requests join the running batch at the next token
+boundary. A weight update lands at a token boundary too (`policy`: interrupt, keep, abort or
+finish; default inference.update_policy).
 
 Run as `python -m asyncrl.inference.server RUN_DIR`; it writes RUN_DIR/inference.json with its URL.
 """
@@ -19,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,165 +32,13 @@ import torch
 from aiohttp import web
 
 from asyncrl import weights
+from asyncrl.access import LOOPBACK, ensure_token, inside
 from asyncrl.config import read_run_config
 from asyncrl.files import write_atomic
 from asyncrl.heartbeat import Heartbeat
-from asyncrl.inference.engine import Engine, SamplingParams, Sequence
+from asyncrl.inference.engine import Engine, SamplingParams
+from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.model import load_policy
-from asyncrl.profile import Phases
-
-
-class Worker:
-    """The thread that owns the engine: applies commands between steps, steps while there is work.
-
-    Commands arrive on a queue from the HTTP handlers and are answered through futures on the
-    event loop. A "finish" weight update stops admission, lets the running rows finish, then
-    loads; "interrupt" and "abort" load at the next token boundary.
-    """
-
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str, heartbeat=None):
-        self.engine, self.loop, self.update_policy = engine, loop, update_policy
-        self.heartbeat = heartbeat  # beaten by the engine thread: a stuck engine stops it
-        self.commands: queue.Queue = queue.Queue()
-        self.paused = False
-        self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
-        self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
-        self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
-        self.requests: dict[asyncio.Future, list[Sequence]] = {}  # requests being served (engine thread)
-        self.phases = Phases()  # generate, load_weights (engine thread), respond (event loop)
-        self.started = time.monotonic()
-        threading.Thread(target=self._run, daemon=True, name="engine").start()
-
-    # called on the event loop
-    def call(self, name: str, *args) -> asyncio.Future:
-        future = self.loop.create_future()
-        if name == "generate":
-            with self.queued_lock:
-                self.queued_sequences += len(args[0])
-        self.commands.put((name, args, future))
-        return future
-
-    def waiting(self) -> int:
-        """Sequences not yet running: queued commands plus the engine's waiting list."""
-        return len(self.engine.waiting) + self.queued_sequences
-
-    # the engine thread
-    def _run(self) -> None:
-        while True:
-            if self.heartbeat is not None:
-                self.heartbeat.beat()
-            idle = self.paused or not self.engine.has_work()
-            self._apply_commands(block=idle and self.pending_update is None)
-            if self.pending_update and not self.engine.running:
-                load, future = self.pending_update
-                self.pending_update = None
-                self.engine.admitting = True
-                try:
-                    self._resolve(future, load())
-                except Exception as e:
-                    self._resolve(future, exc=e)
-            if not self.paused and self.engine.has_work():
-                try:
-                    with self.phases("generate"):
-                        self.engine.step()
-                except Exception as e:  # fail the requests in flight, keep serving
-                    print(f"inference: engine step failed: {type(e).__name__}: {e}", flush=True)
-                    self.engine.abort_all()
-
-    def _apply_commands(self, block: bool) -> None:
-        while True:
-            try:
-                name, args, future = self.commands.get(block=block, timeout=1.0)  # wake to beat
-            except queue.Empty:
-                return
-            block = False
-            try:
-                getattr(self, f"_cmd_{name}")(future, *args)
-            except Exception as e:
-                self._resolve(future, exc=e)
-
-    def _resolve(self, future: asyncio.Future, value=None, exc: Exception | None = None) -> None:
-        def settle():
-            if not future.done():
-                future.set_exception(exc) if exc is not None else future.set_result(value)
-        self.loop.call_soon_threadsafe(settle)
-
-    def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams) -> None:
-        left = [len(prompts)]
-        seqs: list[Sequence] = []
-
-        def done(_seq: Sequence) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                self.requests.pop(future, None)
-                self._resolve(future, [s.sample for s in seqs])
-
-        seqs.extend(Sequence(p, params, done) for p in prompts)
-        self.requests[future] = seqs
-        self.engine.add(seqs)
-        with self.queued_lock:
-            self.queued_sequences -= len(prompts)
-
-    def _cmd_update(self, future, body: dict) -> None:
-        policy = body.get("policy") or self.update_policy
-
-        def load() -> dict:  # runs at the token boundary where the new weights take over
-            with self.phases("load_weights"):
-                how = self._write_weights(body)
-                self.engine.reload(None, body["version"], policy)
-            return {"version": body["version"], "loaded_from": how}
-
-        if policy == "finish" and self.engine.running:
-            self.engine.admitting = False
-            self.pending_update = (load, future)
-        else:
-            self._resolve(future, load())
-
-    def _write_weights(self, body: dict) -> str:
-        """Apply the patch if it fits the weights held now and reproduces the trainer's hash;
-        otherwise load the full file. Returns which one was used."""
-        model = self.engine.model
-        expected = body.get("hash")
-        with torch.no_grad():
-            if body.get("patch") and body.get("base_version") == self.engine.version:
-                live = weights.model_state(model)
-                weights.apply_patch(live, weights.load(body["patch"]))
-                if expected is None or weights.state_hash(live) == expected:
-                    return "patch"
-                print(
-                    f"inference: patch for version {body['version']} gave the wrong hash; "
-                    "loading the full weights",
-                    flush=True,
-                )
-            model.load_state_dict(weights.load(body["path"]), strict=False)
-        if expected is not None and weights.state_hash(weights.model_state(model)) != expected:
-            raise ValueError(
-                f"weights of version {body['version']} from {body['path']} do not match the trainer's hash"
-            )
-        return "full"
-
-    def _cmd_hash(self, future) -> None:
-        model = self.engine.model
-        self._resolve(future, {"version": self.engine.version,
-                               "hash": weights.state_hash(weights.model_state(model))})
-
-    def _cmd_pause(self, future) -> None:
-        self.paused = True
-        self._resolve(future, {"paused": True})
-
-    def _cmd_resume(self, future) -> None:
-        self.paused = False
-        self._resolve(future, {"paused": False})
-
-    def _cmd_cancel(self, future, request: asyncio.Future) -> None:
-        seqs = self.requests.pop(request, None)
-        self._resolve(future, {"cancelled": self.engine.cancel(seqs) if seqs else 0})
-
-    def _cmd_abort(self, future) -> None:
-        self._resolve(future, {"aborted": self.engine.abort_all()})
-
-
-UPDATE_POLICIES = ("interrupt", "keep", "abort", "finish")
 
 
 class BadRequest(ValueError):
@@ -252,8 +101,24 @@ def _completion_response(
     }, dumps=lambda body: orjson.dumps(body).decode())  # per-token logprob lists: orjson is ~10x json
 
 
-def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application:
+ADMIN = ("/update_weights", "/pause", "/resume", "/abort")  # what changes the policy being served
+
+
+def guard(token: str, everything: bool):
+    """The run's token on every admin endpoint (and on every endpoint when bound beyond loopback)."""
+    @web.middleware
+    async def check(request: web.Request, handler):
+        guarded = everything or request.path in ADMIN
+        if guarded and request.headers.get("Authorization") != f"Bearer {token}":
+            return _error(401, f"{request.path} needs the run's token (Authorization: Bearer, from "
+                               "RUN_DIR/token)")
+        return await handler(request)
+    return check
+
+
+def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> web.Application:
     engine = worker.engine
+    weights_root = weights.weights_dir(run_dir)
     vocab = engine.model.get_input_embeddings().num_embeddings
     max_prompt_tokens, load_timeout = cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load
 
@@ -285,6 +150,9 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
         path, version, policy = body.get("path"), body.get("version"), body.get("policy")
         if not isinstance(path, str) or not Path(path).is_file() or not isinstance(version, int):
             return _error(400, f"need an existing 'path' and an int 'version', got {body}")
+        if not all(inside(p, weights_root) for p in (path, body.get("patch") or path)):
+            return _error(400, f"a server loads only files under its run's weights/: refusing {path} "
+                               f"(patch {body.get('patch')}; allowed: {weights_root})")
         if policy not in (None, *UPDATE_POLICIES):
             return _error(400, f"'policy' must be one of {', '.join(UPDATE_POLICIES)}, got {policy!r}")
         fut = worker.call("update", body)
@@ -328,7 +196,9 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg) -> web.Application
             return web.json_response(await worker.call(name))
         return handler
 
-    app = web.Application(client_max_size=64 * 2**20)
+    token = ensure_token(run_dir)
+    app = web.Application(client_max_size=64 * 2**20,
+                          middlewares=[guard(token, cfg.inference.host not in LOOPBACK)])
     app.add_routes(
         [
             web.post("/v1/completions", completions),
@@ -375,7 +245,7 @@ async def serve(run_dir: Path) -> None:
     worker = Worker(
         engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference")
     )
-    app = make_app(worker, tokenizer, cfg.model.path, cfg)
+    app = make_app(worker, tokenizer, cfg.model.path, cfg, run_dir)
     # handler_cancellation: a request whose client disconnects is cancelled, and with it its sequences
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from asyncrl import checkpoint, weights
+from asyncrl.access import read_token
 from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
@@ -362,7 +363,7 @@ async def main(run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
-    client = client_for(cfg, json.loads((run_dir / "inference.json").read_text())["url"])
+    client = client_for(cfg, json.loads((run_dir / "inference.json").read_text())["url"], read_token(run_dir))
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
         async with client:

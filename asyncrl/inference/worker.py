@@ -1,0 +1,175 @@
+"""The thread that owns the engine: HTTP handlers hand it commands, it answers through futures.
+
+Commands (generate, cancel, update, hash, pause, resume, abort) queue up and are applied between
+engine steps, so nothing the event loop does ever touches the engine mid-step.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import torch
+
+from asyncrl import weights
+from asyncrl.inference.engine import Engine, SamplingParams, Sequence
+from asyncrl.profile import Phases
+
+UPDATE_POLICIES = ("interrupt", "keep", "abort", "finish")
+
+
+class Worker:
+    """The thread that owns the engine: applies commands between steps, steps while there is work.
+
+    Commands arrive on a queue from the HTTP handlers and are answered through futures on the
+    event loop. A "finish" weight update stops admission, lets the running rows finish, then
+    loads; "interrupt" and "abort" load at the next token boundary.
+    """
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str, heartbeat=None):
+        self.engine, self.loop, self.update_policy = engine, loop, update_policy
+        self.heartbeat = heartbeat  # beaten by the engine thread: a stuck engine stops it
+        self.commands: queue.Queue = queue.Queue()
+        self.paused = False
+        self.pending_update: tuple | None = None  # (load, future) waiting for the running rows to drain
+        self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
+        self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
+        self.requests: dict[asyncio.Future, list[Sequence]] = {}  # requests being served (engine thread)
+        self.phases = Phases()  # generate, load_weights (engine thread), respond (event loop)
+        self.started = time.monotonic()
+        threading.Thread(target=self._run, daemon=True, name="engine").start()
+
+    # called on the event loop
+    def call(self, name: str, *args) -> asyncio.Future:
+        future = self.loop.create_future()
+        if name == "generate":
+            with self.queued_lock:
+                self.queued_sequences += len(args[0])
+        self.commands.put((name, args, future))
+        return future
+
+    def waiting(self) -> int:
+        """Sequences not yet running: queued commands plus the engine's waiting list."""
+        return len(self.engine.waiting) + self.queued_sequences
+
+    # the engine thread
+    def _run(self) -> None:
+        while True:
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
+            idle = self.paused or not self.engine.has_work()
+            self._apply_commands(block=idle and self.pending_update is None)
+            if self.pending_update and not self.engine.running:
+                load, future = self.pending_update
+                self.pending_update = None
+                self.engine.admitting = True
+                try:
+                    self._resolve(future, load())
+                except Exception as e:
+                    self._resolve(future, exc=e)
+            if not self.paused and self.engine.has_work():
+                try:
+                    with self.phases("generate"):
+                        self.engine.step()
+                except Exception as e:  # fail the requests in flight, keep serving
+                    print(f"inference: engine step failed: {type(e).__name__}: {e}", flush=True)
+                    self.engine.abort_all()
+
+    def _apply_commands(self, block: bool) -> None:
+        while True:
+            try:
+                name, args, future = self.commands.get(block=block, timeout=1.0)  # wake to beat
+            except queue.Empty:
+                return
+            block = False
+            try:
+                getattr(self, f"_cmd_{name}")(future, *args)
+            except Exception as e:
+                self._resolve(future, exc=e)
+
+    def _resolve(self, future: asyncio.Future, value=None, exc: Exception | None = None) -> None:
+        def settle():
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(value)
+        self.loop.call_soon_threadsafe(settle)
+
+    def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams) -> None:
+        left = [len(prompts)]
+        seqs: list[Sequence] = []
+
+        def done(_seq: Sequence) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.requests.pop(future, None)
+                self._resolve(future, [s.sample for s in seqs])
+
+        seqs.extend(Sequence(p, params, done) for p in prompts)
+        self.requests[future] = seqs
+        self.engine.add(seqs)
+        with self.queued_lock:
+            self.queued_sequences -= len(prompts)
+
+    def _cmd_update(self, future, body: dict) -> None:
+        policy = body.get("policy") or self.update_policy
+
+        def load() -> dict:  # runs at the token boundary where the new weights take over
+            with self.phases("load_weights"):
+                how = self._write_weights(body)
+                self.engine.reload(None, body["version"], policy)
+            return {"version": body["version"], "loaded_from": how}
+
+        if policy == "finish" and self.engine.running:
+            self.engine.admitting = False
+            self.pending_update = (load, future)
+        else:
+            self._resolve(future, load())
+
+    def _write_weights(self, body: dict) -> str:
+        """Apply the patch if it fits the weights held now and reproduces the trainer's hash;
+        otherwise load the full file. Returns which one was used."""
+        model = self.engine.model
+        expected = body.get("hash")
+        with torch.no_grad():
+            if body.get("patch") and body.get("base_version") == self.engine.version:
+                live = weights.model_state(model)
+                weights.apply_patch(live, weights.load(body["patch"]))
+                if expected is None or weights.state_hash(live) == expected:
+                    return "patch"
+                print(
+                    f"inference: patch for version {body['version']} gave the wrong hash; "
+                    "loading the full weights",
+                    flush=True,
+                )
+            full = weights.load(body["path"])
+            expected_names, given = set(weights.model_state(model)), set(full)
+            if expected_names != given:  # (strict=False below would load a partial file silently)
+                missing, extra = sorted(expected_names - given), sorted(given - expected_names)
+                raise ValueError(f"{body['path']} does not hold this model's weights: {len(missing)} tensors "
+                                 f"missing {missing[:3]}, {len(extra)} unknown {extra[:3]}")
+            model.load_state_dict(full, strict=False)  # (tied tensors are published once)
+        if expected is not None and weights.state_hash(weights.model_state(model)) != expected:
+            raise ValueError(
+                f"weights of version {body['version']} from {body['path']} do not match the trainer's hash"
+            )
+        return "full"
+
+    def _cmd_hash(self, future) -> None:
+        model = self.engine.model
+        self._resolve(future, {"version": self.engine.version,
+                               "hash": weights.state_hash(weights.model_state(model))})
+
+    def _cmd_pause(self, future) -> None:
+        self.paused = True
+        self._resolve(future, {"paused": True})
+
+    def _cmd_resume(self, future) -> None:
+        self.paused = False
+        self._resolve(future, {"paused": False})
+
+    def _cmd_cancel(self, future, request: asyncio.Future) -> None:
+        seqs = self.requests.pop(request, None)
+        self._resolve(future, {"cancelled": self.engine.cancel(seqs) if seqs else 0})
+
+    def _cmd_abort(self, future) -> None:
+        self._resolve(future, {"aborted": self.engine.abort_all()})
