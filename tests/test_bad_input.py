@@ -179,11 +179,9 @@ def test_a_run_that_cannot_accept_a_sample_stops_with_its_first_and_most_frequen
     why on the console, and is not restarted into the same error."""
     cfg = job_config(tmp_path, tiny_model, **{"task.verifier": "faulty:always_raises", "run.steps": 3,
                                               "rollout.max_failed_samples": 48, "task.eval_size": 0})
-    start = time.monotonic()
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
-    assert time.monotonic() - start < cfg.timeouts.train_step  # the breaker, not a timeout, ended it
-    message = str(err.value)
+    message = str(err.value)  # the breaker's sentence, not a timeout's: no timing to assert
     assert "no sample could be accepted: 48 failed in a row" in message, message
     assert "First error: verifier_error: verifier raised ZeroDivisionError" in message
     assert "Most frequent (48 of 48)" in message
