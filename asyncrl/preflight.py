@@ -114,6 +114,7 @@ def check_model(path: Path) -> None:
         raise ConfigError(f"{where}: config.json has no model_type")
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         raise ConfigError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    _check_vocabulary(path, config, where)
     shards = sorted(path.glob("*.safetensors"))
     if not shards and not list(path.glob("pytorch_model*.bin")):
         raise ConfigError(f"{where} has no weights (no *.safetensors or pytorch_model*.bin)")
@@ -121,6 +122,26 @@ def check_model(path: Path) -> None:
         problem = _safetensors_problem(shard)
         if problem:
             raise ConfigError(f"{where}: {shard.name} {problem}")
+
+
+def _check_vocabulary(path: Path, config: dict, where: str) -> None:
+    """The tokenizer loads, and its ids fit the model's embedding (an id past it crashes the engine).
+    A tokenizer.json is read by `tokenizers` alone (milliseconds); others by transformers."""
+    try:
+        if (path / "tokenizer.json").exists():
+            from tokenizers import Tokenizer
+
+            tokens = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokens = len(AutoTokenizer.from_pretrained(path))
+    except Exception as e:
+        raise ConfigError(f"{where}: its tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if size and tokens > size:
+        raise ConfigError(f"{where}: the tokenizer has {tokens} tokens but the model's embedding only "
+                          f"{size} (config.json vocab_size): a tokenizer from another model?")
 
 
 def _safetensors_problem(path: Path) -> str | None:

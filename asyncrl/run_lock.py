@@ -18,8 +18,11 @@ from asyncrl.config import ConfigError
 def run_lock(run_dir: str | Path) -> Iterator[Path]:
     run_dir = Path(run_dir)
     path = run_dir.parent / f".{run_dir.name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by the roles)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by the roles)
+    except OSError as e:
+        raise ConfigError(f"run.root = {str(run_dir.parent)!r} cannot hold runs: {e.strerror or e}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

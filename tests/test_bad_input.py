@@ -222,8 +222,8 @@ def test_an_objective_that_breaks_its_contract_stops_the_run(tiny_model, tmp_pat
 
 
 def test_a_broken_model_directory_is_named_before_any_role_starts(tiny_model, tmp_path):
-    """An empty directory, a missing config or a truncated weights file: one line naming the path and
-    the file, exit code 2, no traceback, no run directory."""
+    """An empty directory, a truncated weights file, a tokenizer larger than the embedding: one line
+    naming the path and the file, exit code 2, no traceback, no run directory."""
     import shutil
 
     empty = tmp_path / "empty"
@@ -232,7 +232,12 @@ def test_a_broken_model_directory_is_named_before_any_role_starts(tiny_model, tm
     shutil.copytree(tiny_model, truncated)
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
-    for model, said in [(empty, "has no config.json"), (truncated, "model.safetensors is truncated")]:
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_model, foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "vocab_size": 50}))
+    for model, said in [(empty, "has no config.json"), (truncated, "model.safetensors is truncated"),
+                        (foreign, "but the model's embedding only 50")]:
         out = cli("train", "--model.path", str(model), "--run.root", str(tmp_path / "runs"))
         assert out.returncode == 2, out.stderr
         assert str(model) in out.stderr and said in out.stderr, out.stderr

@@ -1,4 +1,5 @@
 """The held-out split, the default verifier and the warm start's teacher (deterministic)."""
+import math
 import random
 
 from asyncrl.config import load_config
@@ -77,3 +78,17 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row_naming_file_row_and_c
     with pytest.raises(BadTaskRow) as err:
         tasks.prompt_ids(tasks.item(1), tok)
     assert f"{rows} row 2" in str(err.value) and "'１🙂'" in str(err.value)
+
+
+def test_a_reward_is_any_real_number_and_nothing_else():
+    """Verifiers and agents may return bool, int, float, numpy or one-element tensor scalars; a string,
+    None or a list breaks the contract (the caller stops the run)."""
+    import numpy as np
+    import torch
+
+    from asyncrl.rewards.tasks import as_number
+
+    good = [True, 1, 0.5, np.float32(0.25), np.int64(3), torch.tensor(1.0)]
+    assert [as_number(v) for v in good] == [1.0, 1.0, 0.5, 0.25, 3.0, 1.0]
+    assert [as_number(v) for v in ["1", b"1", None, [1.0], torch.tensor([1.0, 2.0])]] == [None] * 5
+    assert math.isnan(as_number(float("nan")))  # a number: a dropped sample, not a broken contract

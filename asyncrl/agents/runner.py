@@ -19,7 +19,6 @@ import heapq
 import inspect
 import itertools
 import math
-import numbers
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -35,6 +34,7 @@ from asyncrl.imports import import_object
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.model import TINY_CHAT_TEMPLATE
 from asyncrl.rewards.pool import VerifierError
+from asyncrl.rewards.tasks import as_number
 
 
 def load_agent(path: str):
@@ -282,8 +282,10 @@ class AgentRunner:
             return Outcome(episode, failure="agent_error", error="the agent never called the policy")
         check_reward(result, self.agent_for(ctx.task))
         if isinstance(result, (list, tuple)):
-            episode.turn_rewards = [float(r) for r in result]
+            episode.turn_rewards = [as_number(r) for r in result]
             result = sum(episode.turn_rewards)
+        elif result is not None:
+            result = as_number(result)
         elif result is None:
             if episode.turn_rewards or episode.truncated:
                 result = sum(episode.turn_rewards)
@@ -297,14 +299,13 @@ class AgentRunner:
         return Outcome(episode, reward=float(result))
 
 
-def _number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def check_reward(result, agent) -> None:
     """An agent returns a number, a list of numbers (per-turn rewards) or None; anything else is a bug
     that every episode would repeat: ContractError, which stops the run."""
-    if result is None or _number(result) or (isinstance(result, (list, tuple)) and all(map(_number, result))):
+    def number(value) -> bool:
+        return as_number(value) is not None
+
+    if result is None or number(result) or (isinstance(result, (list, tuple)) and all(map(number, result))):
         return
     name = getattr(agent, "__qualname__", repr(agent))
     raise ContractError(f"agent {name} returned {type(result).__name__} {result!r:.60}; an agent must "

@@ -36,6 +36,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why an "abort" came from the engine itself (a failed step)
 
 
 @dataclass(eq=False)
@@ -281,11 +282,13 @@ class Engine:
             self._clear()
         return dropped
 
-    def abort_all(self) -> int:
-        """Finish every running and waiting sequence now with finish_reason "abort"."""
+    def abort_all(self, error: str | None = None) -> int:
+        """Finish every running and waiting sequence now with finish_reason "abort" (and `error`, when
+        a failed step is the reason)."""
         seqs = self.running + list(self.waiting)
         self.waiting.clear()
         self._clear()
         for seq in seqs:
+            seq.sample.error = error
             self._finish(seq, "abort")
         return len(seqs)

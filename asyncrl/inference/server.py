@@ -89,6 +89,7 @@ def _completion_response(
             "logprobs": {"token_logprobs": s.logprobs},
             "versions": s.versions,
             "finish_reason": s.finish_reason,
+            **({"error": s.error} if s.error else {}),
             "prompt_index": i // n,
         }
         for i, s in enumerate(samples)

@@ -73,8 +73,9 @@ class Worker:
                     with self.phases("generate"):
                         self.engine.step()
                 except Exception as e:  # fail the requests in flight, keep serving
-                    print(f"inference: engine step failed: {type(e).__name__}: {e}", flush=True)
-                    self.engine.abort_all()
+                    error = f"engine step failed: {type(e).__name__}: {e}"
+                    print(f"inference: {error}", flush=True)
+                    self.engine.abort_all(error)
 
     def _apply_commands(self, block: bool) -> None:
         while True:

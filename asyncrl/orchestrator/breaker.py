@@ -1,11 +1,12 @@
 """The circuit breaker: a run that cannot accept a single sample stops, and says why.
 
 A verifier that always raises, a JSONL file whose every row is invalid, an agent that always
-fails: each sample is dropped, the run never reaches its next step, and without a breaker it
-would spin until a timeout far away. The breaker counts failed samples since the last accepted
-one; `rollout.max_failed_samples` of them in a row, or `timeouts.no_accepted_sample` seconds of
-failures with none accepted (and at least MIN_FAILED of them: a pause while the trainer catches up
-is not a failure), end the run with the first and the most frequent error.
+fails, an engine whose every step fails (its samples come back aborted): each sample is dropped,
+the run never reaches its next step, and without a breaker it would spin until a timeout far away.
+The breaker counts failed samples since the last accepted one; `rollout.max_failed_samples` of
+them in a row, or `timeouts.no_accepted_sample` seconds of failures with none accepted (and at
+least MIN_FAILED of them: a pause while the trainer catches up is not a failure), end the run with
+the first and the most frequent error.
 """
 from __future__ import annotations
 

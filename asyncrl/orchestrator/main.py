@@ -208,8 +208,7 @@ class Orchestrator:
         else:
             self.gate.release()
         try:  # (after the ledger: the failed samples are on record however the run ends)
-            self.breaker.record(len(group), [(d["reason"], d.get("error", "")) for d in dropped
-                                             if d["reason"] != "aborted"])
+            self.breaker.record(len(group), [(d["reason"], d.get("error", "")) for d in dropped])
         except RunCannotProgress as e:
             self.failure = e
 

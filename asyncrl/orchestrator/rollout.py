@@ -35,8 +35,9 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
     scored, dropped = [], []
     for k, choice in enumerate(choices):
         sample_id = f"{index}-{k}"
-        if choice["finish_reason"] == "abort":  # cut short by /abort: not a sample of the policy
-            dropped.append({"id": sample_id, "reason": "aborted", "prompt_id": index})
+        if choice["finish_reason"] == "abort":  # cut short by /abort or a failed step: not a sample
+            dropped.append({"id": sample_id, "reason": "aborted", "prompt_id": index,
+                            "error": choice.get("error") or "aborted by the inference server (/abort)"})
             continue
         reward, error = next(scores)
         if error is not None:

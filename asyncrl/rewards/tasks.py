@@ -184,10 +184,23 @@ class TaskSource:
         if self._verifier is None:
             return float(self.dataset.score_answer(completion.strip(), entry))
         value = self._verifier(completion, entry)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        reward = as_number(value)
+        if reward is None:
             raise ContractError(f"task.verifier = {self.cfg.verifier!r} returned {type(value).__name__} "
                                 f"{value!r:.60}; a verifier must return a number (the reward)")
+        return reward
+
+
+def as_number(value) -> float | None:
+    """A reward as a float: any real number (bool, numpy and one-element tensor scalars included);
+    None for what is not one (a string, None, a list), which breaks a reward function's contract."""
+    numeric = isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    if isinstance(value, (str, bytes)) or not numeric:
+        return None
+    try:
         return float(value)
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of many elements)
+        return None
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:

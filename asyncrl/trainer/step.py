@@ -12,6 +12,7 @@ import torch
 from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
 from asyncrl.profile import Phases
+from asyncrl.rewards.tasks import as_number
 from asyncrl.trajectory import Trajectory
 
 
@@ -196,9 +197,10 @@ def check_objective(result, objective, logp: torch.Tensor) -> tuple[torch.Tensor
     if logp.requires_grad and not loss.requires_grad:
         raise ContractError(f"objective {name} returned a loss without a gradient (detached from "
                             "inputs.logp): training would not change the policy")
-    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
-        raise ContractError(f"objective {name} returned metrics of type {type(metrics).__name__}; they must "
-                            "be a dict of name -> number")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) and as_number(v) is not None
+                                                for k, v in metrics.items()):
+        raise ContractError(f"objective {name} returned metrics {metrics!r:.80}; they must be a dict of "
+                            "name -> number")
     return loss, metrics
 
 
