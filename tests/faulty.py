@@ -38,12 +38,17 @@ def exploding_loss(inp, cfg):
     raise RuntimeError("objective exploded")
 
 
-def hang_once_loss(inp, cfg):
-    """The first trainer process to call it hangs; after a restart it trains normally."""
+def _first_caller_waits(seconds: float) -> None:
+    """The first trainer process to get here (across restarts: a flag file) sleeps `seconds`."""
     flag = Path(os.environ["ASYNCRL_TEST_FLAG"])
     if not flag.exists():
         flag.touch()
-        time.sleep(3600)
+        time.sleep(seconds)
+
+
+def hang_once_loss(inp, cfg):
+    """The first trainer process to call it hangs; after a restart it trains normally."""
+    _first_caller_waits(3600)
     return ppo_clip(inp, cfg)
 
 
@@ -74,10 +79,7 @@ def detached_loss(inp, cfg):
 
 def slow_once_loss(inp, cfg):
     """The first trainer process to call it takes 12 s over one step (a long step, not a hang)."""
-    flag = Path(os.environ["ASYNCRL_TEST_FLAG"])
-    if not flag.exists():
-        flag.touch()
-        time.sleep(12)
+    _first_caller_waits(12)
     return ppo_clip(inp, cfg)
 
 
