@@ -29,23 +29,20 @@ from asyncrl.trajectory import batch_path, read_batch
 def check_resumable(run_dir: Path, log=print) -> None:
     newest = checkpoint.latest(run_dir, log=lambda m: log(f"resume: {m}"))
     trained = int(newest.name.removeprefix("step_")) if newest else 0
-    served = _check_ledger(run_dir, trained)
-    _check_weights(run_dir, served, trained, log)
+    published = sorted(int(p.stem[1:]) for p in weights.weights_dir(run_dir).glob("v*.json"))
+    served = _check_ledger(run_dir, trained, published)
+    _check_weights(run_dir, published, served, trained, log)
     _check_batches(run_dir, trained, log)
 
 
-def _published(run_dir: Path) -> list[int]:
-    return sorted(int(p.stem[1:]) for p in weights.weights_dir(run_dir).glob("v*.json"))
-
-
-def _check_ledger(run_dir: Path, trained: int) -> int:
+def _check_ledger(run_dir: Path, trained: int, published: list[int]) -> int:
     """The version the ledger says is served; ConfigError if the ledger cannot carry the run on."""
     path = ledger_path(run_dir)
     if not path.exists():
-        if trained or _published(run_dir):
+        if trained or published:
             raise ConfigError(
                 f"cannot resume {run_dir}: its ledger ({path}) is missing but the run has published "
-                f"versions up to {max(_published(run_dir), default=0)} (checkpoint step {trained}); the "
+                f"versions up to {max(published, default=0)} (checkpoint step {trained}); the "
                 "record of which samples were trained is gone: start a new run (or restore ledger.db)")
         return 0
     try:
@@ -65,8 +62,8 @@ def _check_ledger(run_dir: Path, trained: int) -> int:
     return json.loads(row[0]) if row else 0
 
 
-def _check_weights(run_dir: Path, served: int, trained: int, log) -> None:
-    for version in [v for v in _published(run_dir) if v >= served and v > 0]:
+def _check_weights(run_dir: Path, published: list[int], served: int, trained: int, log) -> None:
+    for version in [v for v in published if v >= served and v > 0]:
         # (the trainer keeps every version from the served one on: pruning stays η + 2 behind)
         path = weights.weights_file(run_dir, version)
         marker = weights.read_marker(run_dir, version)

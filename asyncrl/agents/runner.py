@@ -280,12 +280,10 @@ class AgentRunner:
     async def _reward(self, episode: Episode, result, ctx: AgentContext) -> Outcome:
         if episode.sampled_tokens == 0:
             return Outcome(episode, failure="agent_error", error="the agent never called the policy")
-        check_reward(result, self.agent_for(ctx.task))
-        if isinstance(result, (list, tuple)):
-            episode.turn_rewards = [as_number(r) for r in result]
-            result = sum(episode.turn_rewards)
-        elif result is not None:
-            result = as_number(result)
+        result = reward_value(result, self.agent_for(ctx.task))
+        if isinstance(result, list):
+            episode.turn_rewards = result
+            result = sum(result)
         elif result is None:
             if episode.turn_rewards or episode.truncated:
                 result = sum(episode.turn_rewards)
@@ -299,14 +297,18 @@ class AgentRunner:
         return Outcome(episode, reward=float(result))
 
 
-def check_reward(result, agent) -> None:
-    """An agent returns a number, a list of numbers (per-turn rewards) or None; anything else is a bug
-    that every episode would repeat: ContractError, which stops the run."""
-    def number(value) -> bool:
-        return as_number(value) is not None
-
-    if result is None or number(result) or (isinstance(result, (list, tuple)) and all(map(number, result))):
-        return
+def reward_value(result, agent) -> float | list[float] | None:
+    """What an agent returned, as a float, a list of floats (per-turn rewards) or None (the verifier
+    scores); anything else is a bug that every episode would repeat: ContractError, which stops the
+    run."""
+    if result is None:
+        return None
+    if isinstance(result, (list, tuple)):
+        values = [as_number(r) for r in result]
+        if None not in values:
+            return values
+    elif (value := as_number(result)) is not None:
+        return value
     name = getattr(agent, "__qualname__", repr(agent))
     raise ContractError(f"agent {name} returned {type(result).__name__} {result!r:.60}; an agent must "
                         "return a number, a list of numbers (per-turn rewards) or None (the verifier scores)")
