@@ -1,6 +1,6 @@
 """The two ways a role touches shared files: write atomically, and wait for something with a deadline.
 
-Every file another process reads (batches, weights, markers, inference.json, metrics) is written
+Every file another process reads (batches, weights, markers, replicas/<i>.json, metrics) is written
 to a temporary name beside it and renamed into place, so a reader never sees half of one. Every
 wait polls a condition until a deadline and then fails with a message that says what it waited for.
 """

@@ -25,6 +25,14 @@ class RunConfig(Section):
     # a process with torch & co. already imported, to take a dead role's place in ~1 s instead of
     # a cold start's ~6 s; it costs one import's CPU and ~0.4 GB, so by default only once a role has died
     warm_spare: Literal["off", "after_failure", "always"] = "after_failure"
+    # local: every role a process on this machine; ray: the trainer and the inference replicas as Ray
+    # actors in placement groups (docs/distributed.md), the orchestrator and the ledger stay here
+    launcher: Literal["local", "ray"] = "local"
+    # the Ray cluster to attach to: "auto" (the one `ray start` runs here), an address, or "local":
+    # start a private one for this run when none is up
+    ray_address: str = "auto"
+    # seconds to wait for Ray to place a role (a placement group that cannot be placed waits forever)
+    ray_placement_timeout: float = Field(120.0, gt=0)
 
 
 class ModelConfig(Section):
@@ -236,6 +244,8 @@ class TrainerConfig(Section):
     # 0 = choose: both cores when roles alternate (max_staleness 0), one each when they overlap.
     threads: int = Field(0, ge=0)
     device: str = Field("cpu", description='torch device of the trainer, e.g. "cuda"')
+    # run.launcher = "ray": what the trainer's actor asks of its node besides its threads (e.g. {GPU = 1})
+    ray_resources: dict[str, float] = {}
 
 
 class InferenceConfig(Section):
@@ -243,8 +253,15 @@ class InferenceConfig(Section):
     engine: Literal["builtin", "vllm"] = "builtin"
     vllm_python: str | None = Field(None, description="python that has vllm (default: this one)")
     vllm_args: list[str] = []  # extra `vllm.entrypoints.openai.api_server` arguments
+    # data-parallel servers; the orchestrator routes each group to the one with the fewest sequences
+    # in flight (asyncrl/orchestrator/replicas.py)
+    replicas: int = Field(1, ge=1, le=256)
+    # run.launcher = "ray": what each replica's actor asks of its node besides its threads (e.g.
+    # {GPU = 1}, or a custom resource that pins replicas to some nodes)
+    ray_resources: dict[str, float] = {}
+    # loopback unless set: bound beyond it, every endpoint needs the run's token (asyncrl/access.py)
     host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port")
+    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port (replica i: port + i)")
     threads: int = Field(0, ge=0)
     max_batch_sequences: int = Field(512, ge=1, description="rows in the running batch")
     max_batch_tokens: int = Field(2**18, ge=1, description="rows × longest row the KV cache may hold")

@@ -1,9 +1,11 @@
-"""The roles as local processes: start one, stop them, and the supervisor that keeps them alive.
+"""The roles as processes: start one, stop them, and the supervisor that keeps them alive.
 
-Each role is `python -m <module> RUN_DIR` with its own thread count and log file. A role that
-dies or hangs is restarted and picks up from the run directory (the trainer from its last
-checkpoint, the orchestrator from the ledger); one that keeps dying stops the run with its last
-log lines.
+Each role is `python -m <module> RUN_DIR` with its own thread count and log file: the trainer, the
+orchestrator and inference replicas `inference-0` ... `inference-{N-1}` (inference.replicas). With
+run.launcher = "ray" the trainer and the replicas run inside Ray actors (asyncrl/ray_roles.py) and are
+supervised the same way. A role that dies or hangs is restarted and picks up from the run directory
+(the trainer from its last checkpoint, the orchestrator from the ledger, a replica from the version
+the orchestrator has it load); one that keeps dying stops the run with its last log lines.
 """
 from __future__ import annotations
 
@@ -22,14 +24,24 @@ from asyncrl.config import Config
 from asyncrl.events import EventLog
 from asyncrl.fatal import FATAL_EXIT, failure_file, read_failure
 from asyncrl.files import poll, write_atomic
+from asyncrl.inference import replica
 
-ROLES = {
-    "inference": "asyncrl.inference.server",
-    "trainer": "asyncrl.trainer.main",
-    "orchestrator": "asyncrl.orchestrator.main",
-}
+MODULES = {"trainer": "asyncrl.trainer.main", "orchestrator": "asyncrl.orchestrator.main"}
+
+
 class RunError(RuntimeError):
     pass
+
+
+def role_names(cfg: Config) -> list[str]:
+    return [replica.role(i) for i in range(cfg.inference.replicas)] + ["trainer", "orchestrator"]
+
+
+def command(role: str, run_dir: Path) -> list[str]:
+    index = replica.index_of(role)
+    if index is not None:
+        return [sys.executable, "-m", "asyncrl.inference.server", str(run_dir), str(index)]
+    return [sys.executable, "-m", MODULES[role], str(run_dir)]
 
 
 try:  # Linux: a child can ask the kernel for a signal when its parent dies
@@ -62,16 +74,15 @@ def role_env(threads: int, **extra: str) -> dict:
 
 def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess.Popen:
     log = open(run_dir / "logs" / f"{role}.log", "a")  # a restarted role appends: its crash stays readable
-    return spawn([sys.executable, "-m", ROLES[role], str(run_dir)], stdout=log, stderr=subprocess.STDOUT,
-                 env=role_env(threads, **env))
+    return spawn(command(role, run_dir), stdout=log, stderr=subprocess.STDOUT, env=role_env(threads, **env))
 
 
-def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subprocess.Popen:
-    """vLLM's OpenAI server on loopback; its URL goes to inference.json at once (the
-    orchestrator waits for /health within timeouts.startup)."""
+def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int = 0) -> subprocess.Popen:
+    """Replica `index` as vLLM's OpenAI server on loopback; its URL goes to replicas/<index>.json at once
+    (the orchestrator waits for /health within timeouts.startup)."""
     import socket
 
-    port = cfg.inference.port or port
+    port = cfg.inference.port + index if cfg.inference.port else port
     if port == 0:
         with socket.socket() as s:
             s.bind((cfg.inference.host, 0))
@@ -86,9 +97,10 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, port: int = 0) -> subpr
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         OMP_NUM_THREADS=str(threads),
     )
-    log = open(run_dir / "logs" / "inference.log", "a")
+    log = open(run_dir / "logs" / f"{replica.role(index)}.log", "a")
     proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    write_atomic(run_dir / "inference.json",
+    replica.info_file(run_dir, index).parent.mkdir(exist_ok=True)
+    write_atomic(replica.info_file(run_dir, index),
                  json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
     return proc
 
@@ -113,22 +125,39 @@ def stop(procs: dict[str, subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
-def wait_for_inference(proc: subprocess.Popen, run_dir: Path, deadline: float) -> None:
-    log = run_dir / "logs" / "inference.log"
+def wait_for_replica(proc: subprocess.Popen, run_dir: Path, deadline: float, index: int = 0) -> str:
+    """The URL of replica `index` started on its own (tests, benchmarks), once it serves."""
+    def started() -> dict | None:
+        if proc.poll() is not None:
+            log = run_dir / "logs" / f"{replica.role(index)}.log"
+            raise RunError(f"the inference process exited with code {proc.returncode}; last lines of {log}:\n"
+                           f"{tail(log)}")
+        return replica.read_info(run_dir, index)
+
+    try:
+        return poll(started, deadline, "")["url"]
+    except TimeoutError:
+        raise RunError(f"the inference server did not start within {deadline:.0f}s") from None
+
+
+def wait_for_replicas(supervisor: "Supervisor", deadline: float) -> None:
+    """Until every replica has written its URL: one that exits first stops the run with its log."""
+    replicas = {r: p for r, p in supervisor.procs.items() if replica.index_of(r) is not None}
 
     def started() -> bool:
-        if proc.poll() is not None:
-            raise RunError(
-                f"the inference process exited with code {proc.returncode}; last lines of {log}:\n{tail(log)}"
-            )
-        return (run_dir / "inference.json").exists()
+        for role, proc in replicas.items():
+            if proc.poll() is not None:
+                raise RunError(f"the {role} process exited with code {proc.returncode}; last lines of its "
+                               f"log ({supervisor.log_path(role)}):\n{supervisor.tail(role)}")
+            supervisor.sync_replica(role)
+        return all(replica.read_info(supervisor.run_dir, replica.index_of(r)) for r in replicas)
 
     try:
         poll(started, deadline, "")
     except TimeoutError:
-        raise RunError(
-            f"the inference server did not start within {deadline:.0f}s (timeouts.startup); see {log}"
-        ) from None
+        late = [r for r in replicas if not replica.read_info(supervisor.run_dir, replica.index_of(r))]
+        raise RunError(f"{', '.join(late)} did not start within {deadline:.0f}s (timeouts.startup); see "
+                       + ", ".join(str(supervisor.log_path(r)) for r in late)) from None
 
 
 class Supervisor:
@@ -138,21 +167,35 @@ class Supervisor:
 
     def __init__(self, cfg: Config, run_dir: Path, log=print):
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts = {role: 0 for role in ROLES}
+        self.procs: dict = {}  # role -> subprocess.Popen, or a ray_roles.RemoteRole under Ray
+        self.restarts = {role: 0 for role in role_names(cfg)}
         self.started: dict[str, float] = {}
         self.events = EventLog(run_dir, "supervisor")
         self.spare: subprocess.Popen | None = None  # asyncrl/standby.py, see run.warm_spare
         self.spare_failed = False
+        self.hosts = None  # the Ray actors that host roles (run.launcher = "ray")
+        if cfg.run.launcher == "ray":
+            from asyncrl.ray_roles import RayHosts
+
+            self.hosts = RayHosts(cfg, run_dir, log)
+
+    def _vllm(self, role: str) -> bool:
+        return replica.index_of(role) is not None and self.cfg.inference.engine == "vllm"
 
     def start(self, role: str) -> None:
-        threads = 1 if role == "orchestrator" else self.cfg.role_threads(role)
+        index = replica.index_of(role)
+        kind = "orchestrator" if role == "orchestrator" else "trainer" if index is None else "inference"
+        threads = 1 if kind == "orchestrator" else self.cfg.role_threads(kind)
         env = {}
-        if role == "inference":
-            env = {"ASYNCRL_INFERENCE_PORT": str(_previous_port(self.run_dir)),
+        if index is not None:
+            info = replica.read_info(self.run_dir, index) or {}
+            env = {"ASYNCRL_INFERENCE_PORT": str(_port(info.get("url"))),
                    "ASYNCRL_INCARNATION": str(self.restarts[role])}
-        if role == "inference" and self.cfg.inference.engine == "vllm":
-            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, int(env["ASYNCRL_INFERENCE_PORT"]))
+        if self._vllm(role):
+            port = int(env["ASYNCRL_INFERENCE_PORT"])
+            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, index, port)
+        elif self.hosts is not None and role != "orchestrator":
+            self.procs[role] = self.hosts.start(role, threads, env)
         elif self.spare is not None and self.spare.poll() is None:
             order = {
                 "role": role,
@@ -169,13 +212,28 @@ class Supervisor:
 
     def start_all(self) -> None:
         # (from an earlier launch) written anew once bound
-        (self.run_dir / "inference.json").unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)
         failure_file(self.run_dir).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
-        self.start("inference")
-        wait_for_inference(self.procs["inference"], self.run_dir, self.cfg.timeouts.startup)
+        if self.hosts is not None:
+            self.hosts.place()
+        for role in role_names(self.cfg)[:-2]:
+            self.start(role)
+        wait_for_replicas(self, self.cfg.timeouts.startup)
         self.start("trainer")
         self.start("orchestrator")
+
+    def sync_replica(self, role: str) -> None:
+        """A replica under Ray writes its URL on its own node: copy it here, for the orchestrator."""
+        if self.hosts is not None and not self._vllm(role):
+            self.procs[role].sync_info(replica.info_file(self.run_dir, replica.index_of(role)))
+
+    def log_path(self, role: str) -> Path:
+        return self.run_dir / "logs" / f"{role}.log"
+
+    def tail(self, role: str) -> str:
+        proc = self.procs.get(role)
+        return proc.tail() if hasattr(proc, "tail") else tail(self.log_path(role))
 
     def _start_spare_when_settled(self) -> None:
         """A spare importing torch slows every role's start on a small machine: it waits for their first
@@ -188,7 +246,7 @@ class Supervisor:
                 "restarts will start cold"
             )
             self.spare, self.spare_failed = None, True
-        beating = [r for r in self.procs if not (r == "inference" and self.cfg.inference.engine == "vllm")]
+        beating = [r for r in self.procs if not self._vllm(r)]
         wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
                                                          and any(self.restarts.values()))
         if (
@@ -204,16 +262,18 @@ class Supervisor:
 
     def finished(self) -> bool:
         """Check every role once; True when the trainer and the orchestrator have both completed."""
-        self._start_spare_when_settled()
-        for role, proc in self.procs.items():
+        if self.hosts is None:
+            self._start_spare_when_settled()
+        for role, proc in list(self.procs.items()):
             code = proc.poll()
-            if code == 0 and role != "inference":
+            if code == 0 and replica.index_of(role) is None:
                 continue
+            if code is None and replica.index_of(role) is not None:
+                self.sync_replica(role)
             if code == FATAL_EXIT:  # a restart would meet the same error: the run ends with its sentence
                 failure = read_failure(self.run_dir) or {"error": f"exited with code {code}"}
                 self.events.write("role_failed", target=role, why=failure["error"])
-                raise RunError(f"the {role} stopped the run: {failure['error']} (log: "
-                               f"{self.run_dir / 'logs' / f'{role}.log'})")
+                raise RunError(f"the {role} stopped the run: {failure['error']} (log: {self.log_path(role)})")
             if code is not None:
                 self._restart(role, f"exited with code {code}")
             elif (stuck := self._stuck(role)) is not None:
@@ -225,9 +285,10 @@ class Supervisor:
     def _stuck(self, role: str) -> str | None:
         """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for
         timeouts.heartbeat."""
-        if role == "inference" and self.cfg.inference.engine == "vllm":
+        if self._vllm(role):
             return None  # vLLM beats no file of ours; its process and /health are what we have
-        silent = heartbeat.age(self.run_dir, role)
+        proc = self.procs[role]
+        silent = proc.heartbeat_age() if hasattr(proc, "heartbeat_age") else heartbeat.age(self.run_dir, role)
         if silent is None:
             waited = time.monotonic() - self.started[role]
             return (
@@ -242,11 +303,10 @@ class Supervisor:
         )
 
     def _restart(self, role: str, why: str) -> None:
-        log = self.run_dir / "logs" / f"{role}.log"
         if self.restarts[role] >= self.cfg.run.max_restarts:
             self.events.write("role_failed", target=role, why=why, restarts=self.restarts[role])
             raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
-                           f"last lines of {log}:\n{tail(log)}")
+                           f"last lines of {self.log_path(role)}:\n{self.tail(role)}")
         self.restarts[role] += 1
         self.log(
             f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})"
@@ -256,11 +316,16 @@ class Supervisor:
         self.start(role)
 
     def stop(self) -> None:
-        stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
+        try:
+            stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
+        finally:
+            if self.hosts is not None:
+                self.hosts.close()
 
 
-def _previous_port(run_dir: Path) -> int:
+def _port(url: str | None) -> int:
+    """The port a restarted replica asks for: its predecessor's (the orchestrator keeps the URL)."""
     try:
-        return int(json.loads((run_dir / "inference.json").read_text())["url"].rsplit(":", 1)[1])
-    except (FileNotFoundError, ValueError, KeyError, IndexError):
+        return int(url.rsplit(":", 1)[1])
+    except (AttributeError, ValueError, IndexError):
         return 0

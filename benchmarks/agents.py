@@ -118,7 +118,7 @@ def main() -> None:
     from asyncrl.config import load_config
     from asyncrl.launcher import prepare_run_dir
     from asyncrl.preflight import check_inputs
-    from asyncrl.supervisor import start_role, stop, wait_for_inference
+    from asyncrl.supervisor import start_role, stop, wait_for_replica
 
     torch.set_num_threads(1)
     cfg = load_config(overrides={
@@ -129,11 +129,10 @@ def main() -> None:
         "inference": {"threads": 1}})
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
-    server = start_role("inference", run_dir, threads=1)
+    server = start_role("inference-0", run_dir, threads=1)
     results = []
     try:
-        wait_for_inference(server, run_dir, 120)
-        url = json.loads((run_dir / "inference.json").read_text())["url"]
+        url = wait_for_replica(server, run_dir, 120)
         asyncio.run(measure(cfg, url, "queue", 16))  # warm up the server
         for latency in (int(x) for x in args.latencies.split(",")):
             MEAN_LATENCY["seconds"] = latency / 1000
@@ -147,7 +146,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        stop({"inference": server})
+        stop({"inference-0": server})
     for latency in sorted({r["latency_ms"] for r in results}):
         pair = {r["mode"]: r for r in results if r["latency_ms"] == latency}
         print(f"latency {latency:4d} ms: queue / batch = "

@@ -38,10 +38,10 @@ from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
 from asyncrl.report import read_metrics
 
 OUT = Path(__file__).parent / "results"
-ROLES = ("trainer", "inference", "orchestrator")
+ROLES = ("trainer", "inference-0", "orchestrator")
 READY_EVENT = {
     "trainer": "trainer_ready",
-    "inference": "inference_recovered",
+    "inference-0": "inference_recovered",
     "orchestrator": "orchestrator_resumed",
 }
 

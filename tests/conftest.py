@@ -60,15 +60,14 @@ def calc_model(tmp_path_factory) -> str:
 def inference_server(tmp_path: Path, model: str):
     """A real inference server process for `model`: yields (url, run_dir)."""
     from asyncrl.launcher import prepare_run_dir
-    from asyncrl.supervisor import start_role, stop, wait_for_inference
+    from asyncrl.supervisor import start_role, stop, wait_for_replica
 
     run_dir = prepare_run_dir(job_config(tmp_path, model))
-    proc = start_role("inference", run_dir, threads=1)
+    proc = start_role("inference-0", run_dir, threads=1)
     try:
-        wait_for_inference(proc, run_dir, 60)
-        yield json.loads((run_dir / "inference.json").read_text())["url"], run_dir
+        yield wait_for_replica(proc, run_dir, 60), run_dir
     finally:
-        stop({"inference": proc})
+        stop({"inference-0": proc})
 
 
 def job_config(tmp_path: Path, model: str, **overrides):
@@ -112,3 +111,21 @@ def tests_on_path(monkeypatch):
     """Role processes can import helper modules from tests/ (e.g. a verifier that raises)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))
     monkeypatch.syspath_prepend(str(TESTS))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray cluster for the whole suite: a head and a simulated second node carrying the resource
+    `node_b` (the test pins inference replicas there). Logical CPUs are over-declared: the roles' thread
+    counts are what they ask for, not what this machine has. Yields its address."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 8, "object_store_memory": 128 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node, resources={"node_b": 4})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()

@@ -71,7 +71,8 @@ def test_silent_inference_server_fails_the_orchestrator_within_its_deadline(tmp_
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     cfg = job_config(tmp_path, "unused", **{"timeouts.http": 1.0, "timeouts.startup": 3.0})
     run_dir = prepare_run_dir(cfg)
-    (run_dir / "inference.json").write_text(json.dumps({"url": url}))
+    (run_dir / "replicas").mkdir()
+    (run_dir / "replicas" / "0.json").write_text(json.dumps({"url": url}))
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "asyncrl.orchestrator.main", str(run_dir)],
                          capture_output=True, text=True, timeout=60)

@@ -46,7 +46,7 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     21 standard deviations from missing the run."""
     cfg = job_config(tmp_path, tiny_model, **RUN)
     run_dir = cfg.run_dir
-    plan = [("trainer", 3), ("inference", 6), ("orchestrator", 9), ("trainer", 13), ("inference", 16),
+    plan = [("trainer", 3), ("inference-0", 6), ("orchestrator", 9), ("trainer", 13), ("inference-0", 16),
             ("orchestrator", 19)]
     proc = subprocess.Popen(
         cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

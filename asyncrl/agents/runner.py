@@ -195,8 +195,8 @@ class AgentContext:
 
 
 class AgentRunner:
-    def __init__(self, cfg, client, tokenizer, verifiers, events):
-        self.cfg, self.client, self.verifiers, self.events = cfg, client, verifiers, events
+    def __init__(self, cfg, tokenizer, verifiers, events):
+        self.cfg, self.verifiers, self.events = cfg, verifiers, events
         self.agent_of = {tag: load_agent(path) for tag, path in cfg.agent_paths().items() if path}
         self.renderer = Renderer(tokenizer, chat_template(cfg.agent.chat_template))
         self.queue = EpisodeQueue(cfg.agent.max_concurrent_episodes, cfg.agent.scheduling)
@@ -223,17 +223,18 @@ class AgentRunner:
         if self._http is not None:
             await self._http.aclose()
 
-    async def episode(self, task: dict, name: str, priority: float, greedy: bool = False) -> Outcome:
-        """Run one episode of `task`; InferenceUnavailable if the server went away under it."""
+    async def episode(self, task: dict, name: str, client, priority: float, greedy: bool = False) -> Outcome:
+        """Run one episode of `task` on the server behind `client` (all its turns: the server keeps its
+        prefix); InferenceUnavailable if that server went away under it."""
         async with self.queue.slot(priority):
-            return await self._run(task, f"{name}-{uuid.uuid4().hex[:8]}", greedy)
+            return await self._run(task, f"{name}-{uuid.uuid4().hex[:8]}", client, greedy)
 
-    async def _run(self, task: dict, episode_id: str, greedy: bool) -> Outcome:
+    async def _run(self, task: dict, episode_id: str, client, greedy: bool) -> Outcome:
         ro = self.cfg.rollout
         sampling = {"temperature": 0.0 if greedy else ro.temperature, "top_p": 1.0 if greedy else ro.top_p}
         episode = Episode(self.limits)
         session = PolicySession(
-            episode, self.client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser
+            episode, client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser
         )
         base_url = f"{self.proxy_url}/episodes/{episode_id}/v1" if self.proxy_url else None
         ctx = AgentContext(self, task, session, episode_id, base_url)

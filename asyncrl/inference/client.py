@@ -17,6 +17,11 @@ class InferenceUnavailable(InferenceError):
     back."""
 
 
+class InferenceTimeout(InferenceUnavailable):
+    """The server did not answer in time: wedged or overloaded; the router takes it out of routing until
+    it answers /health again (and the supervisor restarts one that stops beating)."""
+
+
 RETRY_LATER = (429, 503)  # the server is busy or not ready: the request may succeed later
 
 
@@ -81,7 +86,7 @@ class InferenceClient:
                     raise InferenceError(f"inference server {self.url} answered {what} with {body!r:.120}")
                 return resp.status, body, _seconds(resp.headers.get("Retry-After"))
         except asyncio.TimeoutError:
-            raise InferenceError(
+            raise InferenceTimeout(
                 f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"
             ) from None
         except aiohttp.ClientConnectionError as e:

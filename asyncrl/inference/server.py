@@ -15,7 +15,8 @@ and runs it with continuous batching; requests join the running batch at the nex
 boundary. A weight update lands at a token boundary too (`policy`: interrupt, keep, abort or
 finish; default inference.update_policy).
 
-Run as `python -m asyncrl.inference.server RUN_DIR`; it writes RUN_DIR/inference.json with its URL.
+Run as `python -m asyncrl.inference.server RUN_DIR [REPLICA]`; replica i writes RUN_DIR/replicas/i.json
+with its URL (asyncrl/inference/replica.py). One started so by hand joins a running job's routing.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from asyncrl.access import LOOPBACK, ensure_token, inside
 from asyncrl.config import read_run_config
 from asyncrl.files import write_atomic
 from asyncrl.heartbeat import Heartbeat
+from asyncrl.inference import replica
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.model import load_policy
@@ -149,8 +151,11 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
         patch onto the version held now), "hash" (sha256 the result must have), "policy"}."""
         body = await request.json()
         path, version, policy = body.get("path"), body.get("version"), body.get("policy")
-        if not isinstance(path, str) or not Path(path).is_file() or not isinstance(version, int):
-            return _error(400, f"need an existing 'path' and an int 'version', got {body}")
+        # (a replica staged by Ray may hold only the patch: the full file is sent if the patch misses)
+        present = isinstance(path, str) and Path(path).is_file() or isinstance(body.get("patch"), str) and \
+            Path(body["patch"]).is_file()
+        if not isinstance(path, str) or not present or not isinstance(version, int):
+            return _error(400, f"need an existing 'path' (or 'patch') and an int 'version', got {body}")
         if not all(inside(p, weights_root) for p in (path, body.get("patch") or path)):
             return _error(400, f"a server loads only files under its run's weights/: refusing {path} "
                                f"(patch {body.get('patch')}; allowed: {weights_root})")
@@ -229,7 +234,7 @@ async def _bind(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
     return site
 
 
-async def serve(run_dir: Path) -> None:
+async def serve(run_dir: Path, index: int = 0) -> None:
     cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.role_threads("inference"))
     model, tokenizer = load_policy(cfg.model.path)
@@ -239,27 +244,27 @@ async def serve(run_dir: Path) -> None:
         model,
         tokenizer.pad_token_id,
         tokenizer.eos_token_id,
-        seed=cfg.run.seed + 1000 * incarnation,
+        seed=cfg.run.seed + 1000 * incarnation + 1_000_003 * index,  # (replicas: streams of their own)
         max_sequences=cfg.inference.max_batch_sequences,
         max_tokens=cfg.inference.max_batch_tokens,
     )
-    worker = Worker(
-        engine, asyncio.get_running_loop(), cfg.inference.update_policy, Heartbeat(run_dir, "inference")
-    )
+    beats = Heartbeat(run_dir, replica.role(index))
+    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, beats)
     app = make_app(worker, tokenizer, cfg.model.path, cfg, run_dir)
     # handler_cancellation: a request whose client disconnects is cancelled, and with it its sequences
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = await _bind(
-        runner, cfg.inference.host, cfg.inference.port or int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
-    )
+    previous = int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
+    port = cfg.inference.port + index if cfg.inference.port else previous
+    site = await _bind(runner, cfg.inference.host, port)
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
-    info = run_dir / "inference.json"
-    write_atomic(info, json.dumps({"url": url, "pid": os.getpid()}))
-    print(f"inference: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads", flush=True)
+    replica.info_file(run_dir, index).parent.mkdir(exist_ok=True)
+    write_atomic(replica.info_file(run_dir, index), json.dumps({"url": url, "pid": os.getpid()}))
+    print(f"inference {index}: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads",
+          flush=True)
     await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(Path(sys.argv[1])))
+    asyncio.run(serve(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))

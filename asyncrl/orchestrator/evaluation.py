@@ -17,10 +17,10 @@ EVAL_CHUNK = 64  # held-out prompts per request
 
 
 class Evaluator:
-    def __init__(self, cfg, tasks, tokenizer, client, verifiers, agents, server_call):
-        """`server_call(call, what)` runs a call to the inference server, riding out its restarts."""
+    def __init__(self, cfg, tasks, tokenizer, router, verifiers, agents):
+        """`router` (asyncrl/orchestrator/replicas.py) runs each request on a replica, riding out restarts."""
         self.cfg, self.tasks, self.tokenizer = cfg, tasks, tokenizer
-        self.client, self.verifiers, self.agents, self.server_call = client, verifiers, agents, server_call
+        self.router, self.verifiers, self.agents = router, verifiers, agents
         self.items: tuple[list[dict], list[list[int]]] | None = None
 
     def item_set(self) -> tuple[list[dict], list[list[int]]]:
@@ -68,9 +68,10 @@ class Evaluator:
         # in requests of EVAL_CHUNK prompts, all at once: the server batches them as one, and each
         # request is small enough to meet timeouts.http however large eval_size is
         chunks = [prompts[i:i + EVAL_CHUNK] for i in range(0, len(prompts), EVAL_CHUNK)]
-        parts = await asyncio.gather(*(self.server_call(
-            lambda chunk=chunk: self.client.complete(chunk, 1, self.cfg.rollout.max_tokens, temperature=0.0),
-            "an evaluation") for chunk in chunks))
+        max_tokens = self.cfg.rollout.max_tokens
+        parts = await asyncio.gather(*(self.router.call(
+            lambda client, chunk=chunk: client.complete(chunk, 1, max_tokens, temperature=0.0),
+            "an evaluation", len(chunk)) for chunk in chunks))
         choices = [c for part in parts for c in part]
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)
@@ -82,9 +83,9 @@ class Evaluator:
 
     async def _episodes(self, entries: list[dict], prompts: list[list[int]]):
         """(reward per item, versions that sampled) of one greedy episode per item; a failed one scores 0."""
-        outcomes = await self.server_call(lambda: all_or_none(
-            self.agents.episode(e, f"eval-{i}", priority=-1, greedy=True) for i, e in enumerate(entries)),
-            "an evaluation")
+        outcomes = await all_or_none(self.router.call(
+            lambda client, i=i, e=e: self.agents.episode(e, f"eval-{i}", client, priority=-1, greedy=True),
+            "an evaluation") for i, e in enumerate(entries))
         versions = [o.episode.versions for o in outcomes]
         return ([o.reward if o.failure is None else 0.0 for o in outcomes],
                 [min(v for v in vs if v >= 0) for vs in versions if any(v >= 0 for v in vs)])

@@ -32,14 +32,14 @@ from asyncrl.events import EventLog
 from asyncrl.fatal import run_role
 from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
-from asyncrl.inference.client import InferenceClient, InferenceUnavailable, client_for
+from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.ledger import Ledger
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
 from asyncrl.orchestrator.records import batch_stats, profile
+from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
-from asyncrl.orchestrator.serving import ATTEMPTS, Serving
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
@@ -50,9 +50,8 @@ MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a ma
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, client: InferenceClient, tokenizer,
-                 verifiers: VerifierPool):
-        self.cfg, self.run_dir, self.client, self.tokenizer = cfg, run_dir, client, tokenizer
+    def __init__(self, cfg: Config, run_dir: Path, tokenizer, verifiers: VerifierPool):
+        self.cfg, self.run_dir, self.tokenizer = cfg, run_dir, tokenizer
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
@@ -65,14 +64,15 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
-        self.serving = Serving(cfg, run_dir, client, self.events, self.ledger.get("served_version", 0))
+        served = self.ledger.get("served_version", 0)
+        self.router = Router(cfg, run_dir, self.events, served, read_token(run_dir))
         self.breaker = Breaker(cfg.rollout.max_failed_samples, cfg.timeouts.no_accepted_sample)
         self.bad_rows: set[str] = set()  # reported once: a file read in epochs meets its bad rows again
-        self.agents = AgentRunner(cfg, client, tokenizer, verifiers, self.events) \
+        self.agents = AgentRunner(cfg, tokenizer, verifiers, self.events) \
             if any(cfg.agent_paths().values()) else None
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
-        self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, client, verifiers, self.agents,
-                                    self.serving.call) if eval_tasks else None)
+        self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents)
+                          if eval_tasks else None)
         self._restore()
 
     def _restore(self) -> None:
@@ -101,7 +101,7 @@ class Orchestrator:
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
         if self.cursor:
-            self.events.write("orchestrator_resumed", served_version=self.serving.version, cursor=self.cursor,
+            self.events.write("orchestrator_resumed", served_version=self.router.version, cursor=self.cursor,
                               reissued=len(self.reissue), ready_groups=len(self.ready),
                               next_step=self.next_step, committed_through=self.committed_through)
 
@@ -123,7 +123,7 @@ class Orchestrator:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.failure or predicate()), deadline)
         except asyncio.TimeoutError:
             raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what} "
-                               f"(served version {self.serving.version})") from None
+                               f"(served version {self.router.version})") from None
         if self.failure:
             raise self.failure
 
@@ -134,7 +134,7 @@ class Orchestrator:
         while True:
             await self._wait_for(
                 lambda: self.assembled or (len(self.in_flight) < limit and (bool(self.reissue) or (
-                    self.gate.admitted < needed and self.gate.can_admit(self.serving.version)))),
+                    self.gate.admitted < needed and self.gate.can_admit(self.router.version)))),
                 self.cfg.timeouts.train_step, "room to start a rollout (the trainer publishes versions)",
             )
             if self.assembled:
@@ -185,11 +185,11 @@ class Orchestrator:
 
     async def _generate_group(self, index: int, entry: dict, prompt: list[int]) -> None:
         if self.agents and self.agents.agent_for(entry):
-            generate = lambda: rollout_agent_group(self.agents, entry, index, self.cfg)  # noqa: E731
+            generate = lambda client: rollout_agent_group(self.agents, client, entry, index, self.cfg)  # noqa: E731
         else:
-            generate = lambda: rollout_group(self.client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
+            generate = lambda client: rollout_group(client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
         try:
-            group, dropped = await self.serving.call(generate, f"prompt {index}")
+            group, dropped = await self.router.call(generate, f"prompt {index}", self.cfg.rollout.group_size)
         except Exception as e:  # every waiting loop hears of it (_run_group notifies)
             self.failure = e if not isinstance(e, InferenceUnavailable) else RuntimeError(
                 f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}")
@@ -250,12 +250,11 @@ class Orchestrator:
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
-        await self.serving.call(self.serving.ensure, "loading the served version at start")
-        if self.serving.version == 0 and self.evaluator:
+        if self.router.version == 0 and self.evaluator:
             self.evals.append(asyncio.create_task(self.evaluate()))
-        for version in range(self.serving.version + 1, self.cfg.run.steps + 1):
+        for version in range(self.router.version + 1, self.cfg.run.steps + 1):
             marker = await self._wait_for_version(version)
-            await self.serving.load(version, marker)
+            await self.router.load(version, marker)
             record = await self._step_record(version, marker)
             self.ledger.record_step(version, record)
             await self._notify()
@@ -299,7 +298,7 @@ class Orchestrator:
 
     async def _step_record(self, version: int, marker: dict) -> dict:
         now = time.monotonic()
-        stats = await self.serving.call(self.client.stats, "a stats query")
+        stats = await self.router.stats()
         t_prev, tok_prev = self.last_gen
         tokens = stats["tokens_generated"]
         self.last_gen = (now, tokens)
@@ -317,13 +316,14 @@ class Orchestrator:
             "orchestrator_cpu_seconds": time.process_time(),
             **profile(stats, self.phases, self.verifiers, self.cpu_at_start, self.up_since),
             "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
+            "replicas_routed": stats["replicas_routed"],
             **{k: v for k, v in marker.items() if k not in MARKER_IDS},
         }
 
     async def evaluate(self) -> None:
         """Held-out greedy accuracy under the version served; a failure ends the role, as a rollout's does."""
         try:
-            record = {**await self.evaluator.run(self.serving.version), "time": self._now()}
+            record = {**await self.evaluator.run(self.router.version), "time": self._now()}
         except Exception as e:
             self.failure = e
             await self._notify()
@@ -332,6 +332,7 @@ class Orchestrator:
         self._write_metrics(record)
 
     async def run(self) -> None:
+        await self.router.start()
         warm = asyncio.create_task(self.verifiers.warm())  # while the first rollouts generate
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
         beat = asyncio.create_task(self.heartbeat.beat_forever())
@@ -353,6 +354,7 @@ class Orchestrator:
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()
+            await self.router.close()
             self.ledger.close()
 
 
@@ -362,13 +364,10 @@ async def main(run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
-    client = client_for(cfg, json.loads((run_dir / "inference.json").read_text())["url"], read_token(run_dir))
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
-        async with client:
-            await client.wait_healthy(cfg.timeouts.startup)
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            await Orchestrator(cfg, run_dir, client, tokenizer, verifiers).run()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        await Orchestrator(cfg, run_dir, tokenizer, verifiers).run()
     finally:
         verifiers.close()
     print("orchestrator: done", flush=True)

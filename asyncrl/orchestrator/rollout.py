@@ -70,9 +70,11 @@ async def all_or_none(coros) -> list:
         raise
 
 
-async def rollout_agent_group(agents, entry: dict, index: int, cfg) -> tuple[list[Trajectory], list[dict]]:
-    """G agent episodes of one task, like rollout_group; a failed episode drops only itself."""
-    outcomes = await all_or_none(agents.episode(entry, f"{index}-{k}", priority=index)
+async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
+                              ) -> tuple[list[Trajectory], list[dict]]:
+    """G agent episodes of one task on one server (`client`), like rollout_group; a failed episode drops
+    only itself."""
+    outcomes = await all_or_none(agents.episode(entry, f"{index}-{k}", client, priority=index)
                                   for k in range(cfg.rollout.group_size))
     scored, dropped = [], []
     for k, out in enumerate(outcomes):

@@ -1,0 +1,228 @@
+"""The inference replicas as the orchestrator sees them: a router over N data-parallel servers.
+
+Each group (G samples of one prompt, or G agent episodes, so an episode's turns stay on one
+server and reuse its prefix) goes to the replica with the fewest sequences in flight. Control
+calls (load a version, stats) fan out to every replica in routing. A replica that cannot be reached
+is taken out of routing and what it was generating is retried on another one (the caller's group
+starts over, so the ledger records it once); a watcher brings it back, or a new one in, only after it
+holds the served version. Replicas are found through `replicas/<i>.json` (asyncrl/inference/replica.py),
+which a restarted server rewrites and a replica started mid-run writes for the first time.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from asyncrl import weights
+from asyncrl.events import EventLog
+from asyncrl.files import apoll
+from asyncrl.inference import replica as replica_files
+from asyncrl.inference.client import InferenceError, InferenceUnavailable, client_for
+from asyncrl.orchestrator.staging import Stager
+
+ATTEMPTS = 3  # a group whose server dies under it this often fails (and with it the run)
+WATCH_EVERY = 0.5  # seconds between looks for replicas that came back or joined
+
+
+class Replica:
+    def __init__(self, index: int, info: dict, client):
+        self.index, self.info, self.client = index, info, client
+        self.in_flight = 0  # sequences
+        self.sequences = 0  # sequences routed to it, all told
+        self.routed = False  # holds the served version and takes traffic
+        self.version: int | None = None  # the version it holds, as last loaded or read
+        self.opened = False  # the client's connection pool
+        self.left_at: float | None = None  # when it left routing (None: never routed yet)
+
+
+class Router:
+    def __init__(self, cfg, run_dir: Path, events: EventLog, version: int, token: str | None):
+        self.cfg, self.run_dir, self.events, self.token = cfg, run_dir, events, token
+        self.version = version  # the served version: every routed replica holds it
+        self.replicas: dict[int, Replica] = {}
+        self.changed = asyncio.Condition()  # a replica entered routing
+        self.loading = asyncio.Lock()  # a version load and a replica's entry never interleave
+        self.stager = Stager(run_dir, cfg.timeouts.weight_load)
+        self._watcher: asyncio.Task | None = None
+        self.broken: Exception | None = None  # why the watcher died
+
+    # --- membership ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Route to every replica that answers within timeouts.startup (at least one), then keep watching
+        for the others."""
+        await apoll(lambda: self._discover() or None, self.cfg.timeouts.startup,
+                    f"orchestrator: no inference replica wrote {self.run_dir / 'replicas'} within "
+                    f"{self.cfg.timeouts.startup:.0f}s (timeouts.startup)", every=0.1)
+        await self._admit_ready(initial=True)
+        await self._wait_routed(self.cfg.timeouts.startup, "an inference replica at start")
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        self.events.write("routing", sequences={r.index: r.sequences for r in self.replicas.values()})
+        if self._watcher:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        for r in self.replicas.values():
+            if r.opened:
+                await r.client.__aexit__(None, None, None)
+        self.stager.close()
+
+    def _discover(self) -> list[int]:
+        """Read every replica file: new replicas get a client; an unrouted one follows its file's URL (a
+        restarted server may have another port)."""
+        for index, info in replica_files.known(self.run_dir).items():
+            r = self.replicas.get(index)
+            if r is None:
+                client = client_for(self.cfg, info["url"], self.token)
+                self.replicas[index] = r = Replica(index, info, client)
+            if not r.routed and info != r.info:
+                r.info, r.client.url = info, info["url"].rstrip("/")
+        return list(self.replicas)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_EVERY)
+            try:
+                self._discover()
+                await self._admit_ready()
+            except Exception as e:  # a bug here would leave dead replicas out for good: end the run instead
+                self.broken = RuntimeError(f"orchestrator: watching the inference replicas failed: "
+                                           f"{type(e).__name__}: {e}")
+                raise
+
+    async def _admit_ready(self, initial: bool = False) -> None:
+        """Bring every healthy unrouted replica into routing, once it holds the served version."""
+        waiting = [r for r in self.replicas.values() if not r.routed]
+        await asyncio.gather(*(self._admit(r, initial) for r in waiting))
+
+    async def _admit(self, r: Replica, initial: bool) -> None:
+        if not r.opened:
+            await r.client.__aenter__()
+            r.opened = True
+        try:
+            await r.client.wait_healthy(self.cfg.timeouts.startup if initial else 2.0)
+            async with self.loading:
+                r.client.forget_version()
+                r.version = (await r.client.version())["version"]
+                await self._ensure(r)
+                r.routed = True
+        except InferenceError as e:  # not up yet, or went away again: the next look tries again
+            if initial:
+                self.events.write("replica_unreachable", replica=r.index, error=str(e))
+            return
+        if initial:
+            self.events.write("replica_routed", replica=r.index, url=r.info["url"], version=self.version)
+        elif r.left_at is None:
+            self.events.write("replica_joined", replica=r.index, url=r.info["url"], version=self.version)
+        else:
+            self.events.write("inference_recovered", replica=r.index, url=r.info["url"], version=self.version,
+                              seconds=time.monotonic() - r.left_at)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _ensure(self, r: Replica) -> None:
+        """A new or restarted replica holds the initial weights: load the served version (whose file, if a
+        resume found it damaged, the trainer is publishing again)."""
+        if r.version == self.version or self.version == 0:
+            return
+        marker = weights.marker_file(self.run_dir, self.version)
+        await apoll(marker.exists, self.cfg.timeouts.train_step,
+                    f"orchestrator: the served version {self.version} ({marker}) was not published again "
+                    f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", every=0.05)
+        await self._load_one(r, self.version, weights.read_marker(self.run_dir, self.version), patch=False)
+
+    def _unroute(self, r: Replica, error: Exception, what: str) -> None:
+        if r.routed:
+            r.routed, r.left_at = False, time.monotonic()
+            self.events.write("replica_unrouted", replica=r.index, what=what, error=str(error))
+
+    async def _wait_routed(self, deadline: float, what: str) -> None:
+        try:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(self.routed), deadline)
+        except asyncio.TimeoutError:
+            raise InferenceUnavailable(
+                f"no inference replica in routing for {deadline:.0f}s (timeouts.startup) while waiting for "
+                f"{what}; replicas: {self.describe()}") from None
+
+    def routed(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routed]
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.index} {'routed' if r.routed else 'out'} ({r.info['url']})"
+                         for r in self.replicas.values()) or "none has started"
+
+    # --- generation ----------------------------------------------------------------------
+    async def call(self, work, what: str, sequences: int = 1):
+        """`await work(client)` on the least-loaded replica; if that replica goes away, on another."""
+        for attempt in range(ATTEMPTS):
+            if self.broken:
+                raise self.broken
+            if not self.routed():
+                await self._wait_routed(self.cfg.timeouts.startup, what)
+            r = min(self.routed(), key=lambda r: (r.in_flight, r.index))
+            r.in_flight += sequences
+            r.sequences += sequences
+            try:
+                return await work(r.client)
+            except InferenceUnavailable as e:
+                self._unroute(r, e, what)
+                if attempt + 1 == ATTEMPTS:
+                    raise
+                self.events.write("inference_unreachable", what=what, replica=r.index, error=str(e))
+            finally:
+                r.in_flight -= sequences
+
+    # --- control ---------------------------------------------------------------------------
+    async def load(self, version: int, marker: dict) -> None:
+        """Every routed replica loads `version`; one that fails leaves routing (and comes back holding it)."""
+        async with self.loading:
+            replicas = self.routed()
+            results = await asyncio.gather(*(self._load_one(r, version, marker) for r in replicas),
+                                           return_exceptions=True)
+            for r, result in zip(replicas, results):
+                if isinstance(result, InferenceError):
+                    self._unroute(r, result, f"loading version {version}")
+                elif isinstance(result, BaseException):
+                    raise result
+            self.version = version
+            self.stager.forget_before(version)
+        if not self.routed():
+            await self._wait_routed(self.cfg.timeouts.startup, f"a replica holding version {version}")
+
+    async def _load_one(self, r: Replica, version: int, marker: dict, patch: bool = True) -> None:
+        patch = patch and r.version == version - 1
+        body = await self.stager.body(r.info, version, marker, patch)
+        try:
+            await r.client.update_weights(body, self.cfg.timeouts.weight_load)
+        except InferenceError:
+            if not body.get("patch") or "actor" not in r.info:
+                raise
+            body = await self.stager.body(r.info, version, marker, patch=False)  # the patch missed
+            await r.client.update_weights(body, self.cfg.timeouts.weight_load)
+        r.version = version
+
+    async def stats(self) -> dict:
+        """The routed replicas' counters, summed (a replica that fails to answer leaves routing)."""
+        replicas = self.routed()
+        results = await asyncio.gather(*(r.client.stats() for r in replicas), return_exceptions=True)
+        total: dict = {}
+        for r, result in zip(replicas, results):
+            if isinstance(result, InferenceError):
+                self._unroute(r, result, "a stats query")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                _add(total, result)
+        total["replicas_routed"] = len(self.routed())
+        return total
+
+
+def _add(total: dict, stats: dict) -> None:
+    """Sum numbers (and dicts of numbers) key by key."""
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value

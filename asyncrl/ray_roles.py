@@ -1,0 +1,277 @@
+"""run.launcher = "ray": the trainer and the inference replicas run inside Ray actors.
+
+Each such role gets a `RoleHost` actor, placed in a bundle of the run's placement group (placing is
+waited on with run.ray_placement_timeout: a group the cluster cannot place would wait forever). The
+host starts the role as the same process the local launcher starts, bound to the host's life, and
+answers the supervisor's questions about it (exit code, heartbeat age, last log lines), so the
+supervisor treats local and remote roles alike. The trainer's bundle asks for the driver's node: it
+reads and writes the run directory there. A replica gets a scratch directory of its own on whatever
+node it lands, holding only its config and token: its weights arrive through Ray's object store
+(`RoleHost.stage`, fed by asyncrl/orchestrator/staging.py), and its URL comes back to the run directory
+through the supervisor. The orchestrator stays a local process and the ledger's only writer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from asyncrl import heartbeat, weights
+from asyncrl.access import read_token
+from asyncrl.config import Config, ConfigError
+from asyncrl.files import write_atomic
+from asyncrl.inference import replica
+
+NAMESPACE = "asyncrl"
+KEEP_STAGED = 2  # versions a replica's directory keeps (the held one and the one it loads)
+
+
+class RoleHost:
+    """One role's process on one node (a Ray actor: `ray.remote(RoleHost)`)."""
+
+    def __init__(self, role: str, run_dir: str | None, config: str, token: str):
+        """`run_dir`: the run directory, when this node has it (the trainer); None: a scratch directory."""
+        self.role = role
+        if run_dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-{role}-"))
+            (self.dir / "logs").mkdir()
+            tree = json.loads(config)  # its run directory is this one: no path leads to the driver's
+            tree["run"].update(root=str(self.dir.parent), name=self.dir.name)
+            write_atomic(self.dir / "config.json", json.dumps(tree))
+            write_atomic(self.dir / "token", token)
+            os.chmod(self.dir / "token", 0o600)
+            self.scratch = True
+        else:
+            self.dir, self.scratch = Path(run_dir), False
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, threads: int, env: dict) -> int:
+        from asyncrl.supervisor import command, role_env, spawn
+
+        heartbeat.heartbeat_file(self.dir, self.role).unlink(missing_ok=True)
+        index = replica.index_of(self.role)
+        if index is not None:
+            replica.info_file(self.dir, index).unlink(missing_ok=True)
+        log = open(self.dir / "logs" / f"{self.role}.log", "a")
+        self.proc = spawn(command(self.role, self.dir), stdout=log, stderr=subprocess.STDOUT,
+                          env=role_env(threads, **env))
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def heartbeat_age(self) -> float | None:
+        return heartbeat.age(self.dir, self.role)
+
+    def tail(self, lines: int = 15) -> str:
+        from asyncrl.supervisor import tail
+
+        return tail(self.dir / "logs" / f"{self.role}.log", lines)
+
+    def log_text(self) -> str:
+        path = self.dir / "logs" / f"{self.role}.log"
+        return path.read_text(errors="replace")[-2**20:] if path.exists() else ""
+
+    def info(self) -> dict | None:
+        """The replica's replicas/<i>.json; bound to every interface, its URL names this node."""
+        import ray
+
+        info = replica.read_info(self.dir, replica.index_of(self.role))
+        if info is not None and "://0.0.0.0:" in info["url"]:
+            info["url"] = info["url"].replace("0.0.0.0", ray.util.get_node_ip_address())
+        return info
+
+    def stage(self, version: int, kind: str, refs: list, digest: str, state_hash: str) -> dict:
+        """Fetch version `version` (its full file or its patch) from the object store into this replica's
+        directory; returns the /update_weights body that loads it."""
+        import ray
+
+        data = ray.get(refs[0])
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"version {version} ({kind}) arrived with another sha256 than it was sent with")
+        path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
+        path.parent.mkdir(exist_ok=True)
+        write_atomic(path, data)
+        weights.prune(self.dir, version, KEEP_STAGED)
+        body = {"path": str(weights.weights_file(self.dir, version)), "version": version, "hash": state_hash}
+        if kind == "patch":
+            body.update(patch=str(path), base_version=version - 1)
+        return body
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.scratch:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RemoteRole:
+    """A role in a RoleHost, with the part of subprocess.Popen's interface the supervisor uses. A host
+    that cannot be reached (its node died) counts as a role that exited with -9."""
+
+    def __init__(self, host, name: str, pid: int, role: str):
+        import ray
+
+        self.ray, self.host, self.name, self.pid, self.role = ray, host, name, pid, role
+        self.returncode: int | None = None
+        self.synced: dict | None = None
+
+    def _ask(self, call, default, timeout: float = 10.0):
+        try:
+            return self.ray.get(call, timeout=timeout)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return default
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._ask(self.host.poll.remote(), -9)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        self._ask(self.host.signal.remote(signum), None)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._ask(self.host.wait.remote(timeout or 0.0), -9, (timeout or 0.0) + 10.0)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.role, timeout)
+        self.returncode = code
+        return code
+
+    def heartbeat_age(self) -> float | None:
+        return self._ask(self.host.heartbeat_age.remote(), None)
+
+    def tail(self) -> str:
+        return self._ask(self.host.tail.remote(), f"(the {self.role}'s host is gone: no log)")
+
+    def sync_info(self, path: Path) -> None:
+        """Copy the replica's URL file to `path` once it has written it, with what reaches its host."""
+        if self.synced is not None:
+            return
+        info = self._ask(self.host.info.remote(), None)
+        if info is not None:
+            self.synced = {**info, "actor": self.name, "host": self.host._actor_id.hex(),
+                           "namespace": NAMESPACE, "ray_address": self.ray.get_runtime_context().gcs_address}
+            path.parent.mkdir(exist_ok=True)
+            write_atomic(path, json.dumps(self.synced))
+
+
+class RayHosts:
+    """The run's placement group and the RoleHost actors in it."""
+
+    def __init__(self, cfg: Config, run_dir: Path, log=print):
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("run.launcher = \"ray\" needs Ray: pip install 'asyncrl[ray]'") from None
+        self.ray, self.cfg, self.run_dir, self.log = ray, cfg, run_dir, log
+        self.started_cluster = _connect(cfg, log)
+        self.hosts: dict[str, object] = {}
+        self.group = None
+        self.bundle_of = {"trainer": 0, **{replica.role(i): i + 1 for i in range(cfg.inference.replicas)}}
+
+    def place(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        cfg = self.cfg
+        here = f"node:{self.ray.util.get_node_ip_address()}"
+        bundles = [{"CPU": cfg.role_threads("trainer"), here: 0.001, **cfg.trainer.ray_resources}]
+        replica_bundle = {"CPU": cfg.role_threads("inference"), **cfg.inference.ray_resources}
+        bundles += [replica_bundle] * cfg.inference.replicas
+        self.group = placement_group(bundles, strategy="PACK", name=f"asyncrl-{cfg.run.name}")
+        try:
+            self.ray.get(self.group.ready(), timeout=cfg.run.ray_placement_timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            self.ray.util.remove_placement_group(self.group)
+            raise ConfigError(
+                f"Ray could not place the run's roles within {cfg.run.ray_placement_timeout:.0f}s "
+                f"(run.ray_placement_timeout): they need {bundles}; the cluster has "
+                f"{self.ray.available_resources()} free") from None
+        self.log(f"ray: placed the trainer and {cfg.inference.replicas} inference replica(s): {bundles}")
+
+    def start(self, role: str, threads: int, env: dict) -> RemoteRole:
+        """Start `role` in its host (a new host if it has none or its host died)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        host, name = self.hosts.get(role, (None, None))
+        try:
+            pid = self.ray.get(host.start.remote(threads, env), timeout=60) if host else None
+        except self.ray.exceptions.RayActorError:  # its node died: a new host, in the group's bundle
+            pid = None
+        if pid is None:
+            strategy = PlacementGroupSchedulingStrategy(self.group,
+                                                        placement_group_bundle_index=self.bundle_of[role])
+            name = f"{self.cfg.run.name}.{role}.{time.monotonic_ns()}"
+            actor = self.ray.remote(RoleHost).options(
+                name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=strategy, max_concurrency=8)
+            run_dir = str(self.run_dir.resolve()) if role == "trainer" else None
+            host = actor.remote(role, run_dir, self._config(), read_token(self.run_dir))
+            self.hosts[role] = host, name
+            pid = self.ray.get(host.start.remote(threads, env), timeout=self.cfg.timeouts.startup)
+        return RemoteRole(host, name, pid, role)
+
+    def _config(self) -> str:
+        """The run's config for a host without the run directory: the model path made absolute."""
+        tree = json.loads((self.run_dir / "config.json").read_text())
+        if Path(tree["model"]["path"]).exists():
+            tree["model"]["path"] = str(Path(tree["model"]["path"]).resolve())
+        return json.dumps(tree)
+
+    def close(self) -> None:
+        """Keep each remote log in the run directory; free the hosts, the group and a cluster we started."""
+        for role, (host, _) in self.hosts.items():
+            try:
+                text = self.ray.get(host.log_text.remote(), timeout=10)
+                if text and role != "trainer":
+                    (self.run_dir / "logs" / f"{role}.log").write_text(text)
+                self.ray.get(host.close.remote(), timeout=10)
+            except (self.ray.exceptions.RayError, OSError):
+                pass
+            self.ray.kill(host)
+        if self.group is not None:
+            self.ray.util.remove_placement_group(self.group)
+        self.ray.shutdown()
+
+
+def _connect(cfg: Config, log) -> bool:
+    """Attach to the cluster (run.ray_address), or start one on this machine when none is up; True if
+    started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    quiet = {"log_to_driver": False, "logging_level": "WARNING", "namespace": NAMESPACE}
+    if cfg.run.ray_address != "local":
+        try:
+            ray.init(address=cfg.run.ray_address, **quiet)
+            log(f"ray: attached to the cluster at {ray.get_runtime_context().gcs_address}")
+            return False
+        except ConnectionError:
+            if cfg.run.ray_address != "auto":
+                raise ConfigError(f"run.ray_address = {cfg.run.ray_address!r}: no Ray cluster answers "
+                                  "there") from None
+    # logical CPUs: at least what the roles ask for, even on a machine with fewer cores
+    cpus = max(cfg.role_threads("trainer") + cfg.role_threads("inference") * cfg.inference.replicas,
+               os.cpu_count() or 1)
+    ray.init(num_cpus=cpus, object_store_memory=256 * 2**20, include_dashboard=False, **quiet)
+    log(f"ray: started a local cluster for this run ({cpus} logical CPUs)")
+    return True

@@ -1,0 +1,103 @@
+"""Data-parallel inference replicas (inference.replicas) under the local launcher and under Ray: groups
+are routed across them, a replica killed mid-run leaves routing and comes back holding the served
+version, a replica started by hand joins, and nothing is lost (the ledger audit)."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import job_args
+from test_recovery import assert_nothing_lost
+
+from asyncrl.chaos import Chaos, steps_recorded
+from asyncrl.events import read_events
+from asyncrl.inference import replica
+from asyncrl.supervisor import start_role, stop, wait_for_replica
+
+pytestmark = pytest.mark.e2e
+
+RUN = {"run.steps": 16, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "trainer.checkpoint_every": 4,
+       "task.eval_size": 50, "task.eval_every": 16, "inference.replicas": 2}
+
+
+STEPS = 120  # of the test with a kill and a join
+
+
+def train_cli(tmp_path, model, **overrides) -> subprocess.Popen:
+    args = job_args(tmp_path, model, **{**RUN, **overrides})
+    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def routed_sequences(events: list[dict]) -> dict[int, int]:
+    [routing] = [e for e in events if e["event"] == "routing"]
+    return {int(k): v for k, v in routing["sequences"].items()}
+
+
+def test_replica_killed_and_replica_joining_mid_run(tiny_model, tmp_path, record):
+    """Replica 1 is SIGKILLed after step 2; a third replica, started by hand after step 3, joins. A replica
+    starts in ~6 s and a step takes ~0.25 s: 120 steps leave both several times the time they need."""
+    run_dir = tmp_path / "runs" / "job"
+    proc = train_cli(tmp_path, tiny_model, **{"run.steps": STEPS, "task.eval_every": STEPS,
+                                                   "trainer.checkpoint_every": 20})
+    chaos = Chaos(run_dir, [("inference-1", 2)], seed=3)
+    chaos.start()
+    joined = None
+    try:
+        deadline = time.monotonic() + 300
+        while steps_recorded(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        joined = start_role("inference-2", run_dir, threads=1)
+        wait_for_replica(joined, run_dir, 60, index=2)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if joined is not None:
+            stop({"inference-2": joined})
+    assert proc.returncode == 0, out[-3000:]
+    assert [k["role"] for k in chaos.kills] == ["inference-1"]
+    events = read_events(run_dir)
+    for kind, index in (("inference_recovered", 1), ("replica_joined", 2)):  # back (or in) at version v
+        [served] = [e["version"] for e in events if e["event"] == kind and e["replica"] == index]
+        record(f"steps_left_at_{kind}", STEPS - served, threshold=0)
+    sequences = routed_sequences(events)
+    record("sequences_to_joined_replica", sequences[2], threshold=0)
+    assert sequences[0] > 0 and sequences[1] > 0 and sequences[2] > 0, sequences
+    assert_nothing_lost(run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp_path, ray_cluster, record):
+    """Run.launcher ray: the trainer in an actor on the driver's node, two replicas pinned to the simulated
+    node `node_b`, each with only its own scratch directory (its config names that directory as the run's),
+    so every version reaches them through Ray's object store. One is SIGKILLed mid-run."""
+    run_dir = tmp_path / "runs" / "job"
+    proc = train_cli(tmp_path, tiny_model, **{"run.launcher": "ray", "run.ray_address": ray_cluster,
+                                              "inference.ray_resources": "{node_b = 1}",
+                                              "trainer.publish_patches": True, "run.steps": STEPS,
+                                              "task.eval_every": STEPS, "trainer.checkpoint_every": 20})
+    chaos = Chaos(run_dir, [("inference-0", 2)], seed=5)
+    chaos.start()
+    out, _ = proc.communicate(timeout=800)
+    assert proc.returncode == 0, out[-3000:]
+    assert "ray: placed the trainer and 2 inference replica(s)" in out
+    infos = [json.loads(replica.info_file(run_dir, i).read_text()) for i in range(2)]
+    assert all(info["actor"].startswith("job.inference-") for info in infos)
+    events = read_events(run_dir)
+    [served] = [e["version"] for e in events if e["event"] == "inference_recovered" and e["replica"] == 0]
+    record("steps_left_at_inference_recovered", STEPS - served, threshold=0)
+    assert all(n > 0 for n in routed_sequences(events).values())
+    for i in range(2):  # their logs came back; they served from a directory that is not the run's
+        log = (run_dir / "logs" / f"inference-{i}.log").read_text()
+        assert f"inference {i}: serving" in log
+    assert not list((run_dir / "weights").glob("*.staged*"))
+    assert_nothing_lost(run_dir)
+
+
+def test_ray_placement_that_cannot_be_met_is_one_line(tiny_model, tmp_path, ray_cluster):
+    proc = train_cli(tmp_path, tiny_model, **{"run.launcher": "ray", "run.ray_address": ray_cluster,
+                                              "inference.ray_resources": "{node_c = 1}",
+                                              "run.ray_placement_timeout": 3.0})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-2000:]
+    assert "Ray could not place the run's roles within 3s" in out and "node_c" in out
