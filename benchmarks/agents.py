@@ -60,13 +60,13 @@ async def measure(cfg, url: str, mode: str, episodes: int) -> dict:
 
     cfg.agent.scheduling = mode
     async with InferenceClient(url, 120) as client:
-        runner = AgentRunner(cfg, client, AutoTokenizer.from_pretrained(cfg.model.path), None,
-                             EventLog(cfg.run_dir, "bench"))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        runner = AgentRunner(cfg, tokenizer, None, EventLog(cfg.run_dir, "bench"))
         before = await client.stats()
         start = time.monotonic()
         outcomes = await asyncio.gather(
             *(
-                runner.episode({"prompt": f"{i % 90 + 10}+{i % 7}=", "index": i}, str(i), i)
+                runner.episode({"prompt": f"{i % 90 + 10}+{i % 7}=", "index": i}, str(i), client, i)
                 for i in range(episodes)
             )
         )

@@ -155,9 +155,9 @@ async def agent_runner(server, agent: str, **overrides):
     cfg = job_config(run_dir.parent, model, **settings)
     verifiers = VerifierPool(cfg.task, 1)
     async with InferenceClient(url, 30) as client:
-        runner = AgentRunner(
-            cfg, client, AutoTokenizer.from_pretrained(model), verifiers, EventLog(run_dir, "orchestrator")
-        )
+        runner = AgentRunner(cfg, AutoTokenizer.from_pretrained(model), verifiers,
+                             EventLog(run_dir, "orchestrator"))
+        runner.server = client  # the one server the tests' episodes run on (the orchestrator routes)
         proxy, runner.proxy_url = await start_proxy(runner.sessions, "policy")
         try:
             yield runner, cfg, run_dir

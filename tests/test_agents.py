@@ -35,7 +35,8 @@ def test_openai_client_multi_turn_record_is_exact_and_never_re_encoded(server, r
         async with agent_runner(server, "openai_agent") as (runner, _, _):
             original = runner.renderer.encode
             runner.renderer.encode = lambda text: encoded.append(original(text)) or encoded[-1]
-            return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0", i)
+            return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0",
+                                         runner.server, i)
                     for i in range(16)], runner.renderer
 
     outcomes, renderer = run(go())
@@ -72,7 +73,7 @@ def test_tool_that_raises_or_times_out_gives_the_agent_an_error_and_an_event(ser
             _,
             run_dir,
         ):
-            return await runner.episode({"prompt": "1+2", "answer": "3"}, "t-0", 0), run_dir
+            return await runner.episode({"prompt": "1+2", "answer": "3"}, "t-0", runner.server, 0), run_dir
 
     out, run_dir = run(go())
     assert out.failure is None, out.error
@@ -131,7 +132,8 @@ def test_a_failing_agent_fails_only_its_episode(server):
         async with agent_runner(
             server, "flaky_agent", **{"timeouts.episode": 3.0, "agent.max_turns": 4, "rollout.group_size": 5}
         ) as (runner, cfg, run_dir):
-            return await rollout_agent_group(runner, {"prompt": "12+30=", "answer": "42"}, 7, cfg), run_dir
+            task = {"prompt": "12+30=", "answer": "42"}
+            return await rollout_agent_group(runner, runner.server, task, 7, cfg), run_dir
 
     (scored, dropped), run_dir = run(go())
     reasons = {d["id"]: d["reason"] for d in dropped}
@@ -154,7 +156,7 @@ def test_completions_endpoint_extends_the_episode_text(server):
     async def go():
         async with agent_runner(server, "completions_agent") as (runner, _, _):
             return await runner.episode(
-                {"prompt": "12+30=", "answer": "42"}, "c-0", 0
+                {"prompt": "12+30=", "answer": "42"}, "c-0", runner.server, 0
             ), runner.renderer.tokenizer
 
     out, tok = run(go())
@@ -187,7 +189,7 @@ def test_history_edits_and_bad_requests_are_refused_with_a_reason(server):
     async def go():
         async with agent_runner(server, "openai_agent") as (runner, _, _):
             runner.agent_of[None] = editing_agent
-            return await runner.episode({"prompt": "", "answer": ""}, "e-0", 0)
+            return await runner.episode({"prompt": "", "answer": ""}, "e-0", runner.server, 0)
 
     out = run(go())
     assert len(errors) == 3
@@ -200,7 +202,8 @@ def test_history_edits_and_bad_requests_are_refused_with_a_reason(server):
 def test_environment_turn_rewards_add_up(server):
     async def go():
         async with agent_runner(server, "Countdown") as (runner, _, _):
-            return await runner.episode({"prompt": "go", "answer": ""}, "env-0", 0), runner.renderer.tokenizer
+            outcome = await runner.episode({"prompt": "go", "answer": ""}, "env-0", runner.server, 0)
+            return outcome, runner.renderer.tokenizer
 
     out, tok = run(go())
     assert out.failure is None and out.episode.turns == 3

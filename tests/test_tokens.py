@@ -137,7 +137,8 @@ def test_agent_turns_keep_the_sampled_ids_across_template_boundaries(bpe_server,
                 "inference.max_prompt_tokens": 512,
             },
         ) as (runner, _, _):
-            return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0", i)
+            return [await runner.episode({"prompt": f"{12 + i}*{34 + i}", "answer": "0"}, f"{i}-0",
+                                         runner.server, i)
                     for i in range(12)], runner.renderer
 
     outcomes, renderer = asyncio.run(go())

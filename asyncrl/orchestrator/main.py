@@ -50,8 +50,8 @@ MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a ma
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, tokenizer, verifiers: VerifierPool):
-        self.cfg, self.run_dir, self.tokenizer = cfg, run_dir, tokenizer
+    def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool):
+        self.cfg, self.run_dir, self.router, self.tokenizer = cfg, run_dir, router, tokenizer
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
@@ -64,8 +64,7 @@ class Orchestrator:
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
-        served = self.ledger.get("served_version", 0)
-        self.router = Router(cfg, run_dir, self.events, served, read_token(run_dir))
+        router.version = self.ledger.get("served_version", 0)
         self.breaker = Breaker(cfg.rollout.max_failed_samples, cfg.timeouts.no_accepted_sample)
         self.bad_rows: set[str] = set()  # reported once: a file read in epochs meets its bad rows again
         self.agents = AgentRunner(cfg, tokenizer, verifiers, self.events) \
@@ -354,7 +353,6 @@ class Orchestrator:
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()
-            await self.router.close()
             self.ledger.close()
 
 
@@ -364,11 +362,14 @@ async def main(run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
+    router = Router(cfg, run_dir, EventLog(run_dir, "orchestrator"), read_token(run_dir))
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
+        await router.reachable()  # (a server that never answers fails the role before anything slow)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        await Orchestrator(cfg, run_dir, tokenizer, verifiers).run()
+        await Orchestrator(cfg, run_dir, router, tokenizer, verifiers).run()
     finally:
+        await router.close()
         verifiers.close()
     print("orchestrator: done", flush=True)
 

@@ -37,9 +37,9 @@ class Replica:
 
 
 class Router:
-    def __init__(self, cfg, run_dir: Path, events: EventLog, version: int, token: str | None):
+    def __init__(self, cfg, run_dir: Path, events: EventLog, token: str | None):
         self.cfg, self.run_dir, self.events, self.token = cfg, run_dir, events, token
-        self.version = version  # the served version: every routed replica holds it
+        self.version = 0  # the served version, set from the ledger; every routed replica holds it
         self.replicas: dict[int, Replica] = {}
         self.changed = asyncio.Condition()  # a replica entered routing
         self.loading = asyncio.Lock()  # a version load and a replica's entry never interleave
@@ -48,12 +48,31 @@ class Router:
         self.broken: Exception | None = None  # why the watcher died
 
     # --- membership ----------------------------------------------------------------------
+    async def reachable(self) -> None:
+        """Until one replica answers /health, within timeouts.startup (before anything slower starts)."""
+        deadline = self.cfg.timeouts.startup
+        await apoll(lambda: self._discover() or None, deadline,
+                    f"orchestrator: no inference replica wrote {self.run_dir / 'replicas'} within "
+                    f"{deadline:.0f}s (timeouts.startup)", every=0.1)
+        for r in self.replicas.values():
+            await self._open(r)
+        waits = [asyncio.ensure_future(r.client.wait_healthy(deadline)) for r in self.replicas.values()]
+        try:
+            for healthy in asyncio.as_completed(waits):
+                try:
+                    return await healthy
+                except InferenceError as e:
+                    error = e
+            raise error
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
     async def start(self) -> None:
         """Route to every replica that answers within timeouts.startup (at least one), then keep watching
         for the others."""
-        await apoll(lambda: self._discover() or None, self.cfg.timeouts.startup,
-                    f"orchestrator: no inference replica wrote {self.run_dir / 'replicas'} within "
-                    f"{self.cfg.timeouts.startup:.0f}s (timeouts.startup)", every=0.1)
+        await self.reachable()
         await self._admit_ready(initial=True)
         await self._wait_routed(self.cfg.timeouts.startup, "an inference replica at start")
         self._watcher = asyncio.create_task(self._watch())
@@ -96,10 +115,13 @@ class Router:
         waiting = [r for r in self.replicas.values() if not r.routed]
         await asyncio.gather(*(self._admit(r, initial) for r in waiting))
 
-    async def _admit(self, r: Replica, initial: bool) -> None:
+    async def _open(self, r: Replica) -> None:
         if not r.opened:
             await r.client.__aenter__()
             r.opened = True
+
+    async def _admit(self, r: Replica, initial: bool) -> None:
+        await self._open(r)
         try:
             await r.client.wait_healthy(self.cfg.timeouts.startup if initial else 2.0)
             async with self.loading:
