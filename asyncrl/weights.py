@@ -112,7 +112,8 @@ def make_patch(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
         idx = (_bits(served[name]) != _bits(tensor)).flatten().nonzero().squeeze(1)
         total += tensor.numel()
         if idx.numel():
-            patch[f"{name}::idx"] = idx
+            # int32 indices where they fit: half the bytes of int64 (a bf16 patch is 6 bytes per element)
+            patch[f"{name}::idx"] = idx.to(torch.int32) if tensor.numel() < 2**31 else idx
             patch[f"{name}::val"] = tensor.flatten()[idx]
             changed += idx.numel()
     return patch, changed, total
@@ -123,7 +124,7 @@ def apply_patch(state: dict[str, torch.Tensor], patch: dict[str, torch.Tensor]) 
     for key, idx in patch.items():
         if key.endswith("::idx"):
             name = key[: -len("::idx")]
-            state[name].view(-1)[idx] = patch[f"{name}::val"].to(state[name].dtype)
+            state[name].view(-1)[idx.long()] = patch[f"{name}::val"].to(state[name].dtype)
 
 
 def save_patch(run_dir: str | Path, version: int, patch: dict[str, torch.Tensor]) -> Path:

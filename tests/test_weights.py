@@ -21,6 +21,8 @@ def test_patch_reconstructs_bit_identical_weights(dtype):
     assert weights.state_hash(rebuilt) == weights.state_hash(new)
     assert all(torch.equal(rebuilt[k].view(torch.uint8), new[k].view(torch.uint8)) for k in new)
     assert total == 64 * 32 + 100
+    patch_bytes = sum(t.numel() * t.element_size() for t in patch.values())
+    assert patch_bytes == changed * (4 + new["a"].element_size())  # an int32 index and a value each
     if dtype == torch.bfloat16:
         assert changed / total < 0.2  # most small updates vanish below bf16 rounding
     if dtype == torch.float32:
