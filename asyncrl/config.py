@@ -66,6 +66,9 @@ class Config(Section):
                 "which vLLM "
                 "does not report; with inference.engine = 'vllm' use update_policy = 'finish'"
             )
+        if self.inference.engine == "vllm" and self.run.launcher == "ray":
+            raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
+                             "replicas run under the local launcher; docs/distributed.md)")
         if self.task.name == "jsonl" and not self.task.path:
             raise ValueError(
                 'task.name = \'jsonl\' needs task.path, a file of {"prompt": ..., "answer": ...} rows'

@@ -45,6 +45,14 @@ def check_inputs(cfg: Config, log=print) -> None:
             load_agent(path)
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
+    if cfg.run.launcher == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("run.launcher = \"ray\" needs Ray: pip install 'asyncrl[ray]'") from None
+        from asyncrl.ray_roles import cluster_address
+
+        cluster_address(cfg.run.ray_address)  # (an address nobody answers would hold ray.init for minutes)
 
 
 def _check_prompts(cfg: Config, log) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -179,12 +180,10 @@ class RayHosts:
     """The run's placement group and the RoleHost actors in it."""
 
     def __init__(self, cfg: Config, run_dir: Path, log=print):
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("run.launcher = \"ray\" needs Ray: pip install 'asyncrl[ray]'") from None
+        import ray  # (asyncrl/preflight.py has said it is missing, if it is)
+
         self.ray, self.cfg, self.run_dir, self.log = ray, cfg, run_dir, log
-        self.started_cluster = _connect(cfg, log)
+        _connect(cfg, log)
         self.hosts: dict[str, object] = {}
         self.group = None
         self.bundle_of = {"trainer": 0, **{replica.role(i): i + 1 for i in range(cfg.inference.replicas)}}
@@ -252,26 +251,42 @@ class RayHosts:
         self.ray.shutdown()
 
 
-def _connect(cfg: Config, log) -> bool:
-    """Attach to the cluster (run.ray_address), or start one on this machine when none is up; True if
-    started."""
+def _connect(cfg: Config, log) -> None:
+    """Attach to the cluster (run.ray_address), or start one on this machine when none is up."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return
     quiet = {"log_to_driver": False, "logging_level": "WARNING", "namespace": NAMESPACE}
-    if cfg.run.ray_address != "local":
-        try:
-            ray.init(address=cfg.run.ray_address, **quiet)
-            log(f"ray: attached to the cluster at {ray.get_runtime_context().gcs_address}")
-            return False
-        except ConnectionError:
-            if cfg.run.ray_address != "auto":
-                raise ConfigError(f"run.ray_address = {cfg.run.ray_address!r}: no Ray cluster answers "
-                                  "there") from None
+    address = cluster_address(cfg.run.ray_address)
+    if address is not None:
+        ray.init(address=address, **quiet)
+        log(f"ray: attached to the cluster at {address}")
+        return
     # logical CPUs: at least what the roles ask for, even on a machine with fewer cores
     cpus = max(cfg.role_threads("trainer") + cfg.role_threads("inference") * cfg.inference.replicas,
                os.cpu_count() or 1)
     ray.init(num_cpus=cpus, object_store_memory=256 * 2**20, include_dashboard=False, **quiet)
     log(f"ray: started a local cluster for this run ({cpus} logical CPUs)")
-    return True
+
+
+def cluster_address(setting: str) -> str | None:
+    """The GCS address to attach to, None to start a cluster; probed first, because `ray.init` waits
+    minutes on an address nobody answers."""
+    if setting == "local":
+        return None
+    where = f"run.ray_address = {setting!r}"
+    address = setting
+    if setting == "auto":
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # what `ray start` leaves
+        address = os.environ.get("RAY_ADDRESS") or (current.read_text().strip() if current.exists() else None)
+        if not address:
+            return None
+        where = f"the Ray cluster this machine last started ({address}, from RAY_ADDRESS or {current})"
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError):
+        raise ConfigError(f"{where}: no Ray cluster answers there (`ray status` checks; `ray stop` clears a "
+                          "dead one; run.ray_address = \"local\" starts one for this run)") from None
+    return address

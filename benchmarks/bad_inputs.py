@@ -189,6 +189,15 @@ def cases(work: Path, model: str) -> list[dict]:
                                                    "bad_user_code:set_tool_agent")},
         {"name": "agent always raises", "args": run("agraise", *agent, "--rollout.max_failed_samples", "64",
                                                     "--agent.path", "bad_user_code:raising_agent")},
+        {"name": "ray: an address nobody answers", "args": run("rayaddr", "--run.launcher", "ray",
+                                                               "--run.ray_address", "127.0.0.1:1")},
+        {"name": "ray: replicas that cannot be placed", "args": run(
+            "rayplace", "--run.launcher", "ray", "--run.ray_address", "local", "--inference.ray_resources",
+            "{no_such_node = 1}", "--run.ray_placement_timeout", "5")},
+        {"name": "ray with vLLM replicas", "args": run("rayvllm", "--run.launcher", "ray",
+                                                       "--inference.engine", "vllm",
+                                                       "--inference.update_policy", "finish")},
+        {"name": "zero replicas", "args": run("norep", "--inference.replicas", "0")},
         {"name": "resume: ledger.db deleted", "setup": damaged_resume(
             "noledger", lambda d: [f.unlink() for f in d.glob("ledger.db*")])},
         {"name": "resume: newest weights truncated",

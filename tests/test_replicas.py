@@ -101,3 +101,13 @@ def test_ray_placement_that_cannot_be_met_is_one_line(tiny_model, tmp_path, ray_
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out[-2000:]
     assert "Ray could not place the run's roles within 3s" in out and "node_c" in out
+
+
+def test_ray_address_nobody_answers_is_one_line_before_the_run(tiny_model, tmp_path):
+    """ray.init waits minutes on such an address: the probe says so at once, before any run directory."""
+    pytest.importorskip("ray")
+    proc = train_cli(tmp_path, tiny_model, **{"run.launcher": "ray", "run.ray_address": "127.0.0.1:1"})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-2000:]
+    assert "run.ray_address = '127.0.0.1:1': no Ray cluster answers there" in out
+    assert not (tmp_path / "runs" / "job").exists()

@@ -111,6 +111,11 @@ class Orchestrator:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
 
+    def _fail(self, error: Exception) -> None:
+        """The role ends with the first failure (groups finishing meanwhile may fail again: the breaker's
+        count grows past its limit, a second error follows the first)."""
+        self.failure = self.failure or error
+
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
@@ -190,8 +195,8 @@ class Orchestrator:
         try:
             group, dropped = await self.router.call(generate, f"prompt {index}", self.cfg.rollout.group_size)
         except Exception as e:  # every waiting loop hears of it (_run_group notifies)
-            self.failure = e if not isinstance(e, InferenceUnavailable) else RuntimeError(
-                f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}")
+            self._fail(e if not isinstance(e, InferenceUnavailable) else RuntimeError(
+                f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}"))
             return
         for d in dropped:
             self.events.write("sample_dropped", **{k: v for k, v in d.items() if k != "id"}, sample=d["id"])
@@ -209,7 +214,7 @@ class Orchestrator:
         try:  # (after the ledger: the failed samples are on record however the run ends)
             self.breaker.record(len(group), [(d["reason"], d.get("error", "")) for d in dropped])
         except RunCannotProgress as e:
-            self.failure = e
+            self._fail(e)
 
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
@@ -324,7 +329,7 @@ class Orchestrator:
         try:
             record = {**await self.evaluator.run(self.router.version), "time": self._now()}
         except Exception as e:
-            self.failure = e
+            self._fail(e)
             await self._notify()
             raise
         self.ledger.record_eval(record)
