@@ -203,8 +203,11 @@ class RayHosts:
             self.ray.util.remove_placement_group(self.group)
             raise ConfigError(
                 f"Ray could not place the run's roles within {cfg.run.ray_placement_timeout:.0f}s "
-                f"(run.ray_placement_timeout): they need {bundles}; the cluster has "
-                f"{self.ray.available_resources()} free") from None
+                f"(run.ray_placement_timeout): the trainer needs {bundles[0]} (its threads and "
+                f"trainer.ray_resources, on this node) and each of {cfg.inference.replicas} inference "
+                f"replica(s) {replica_bundle} (inference.threads and inference.ray_resources); the cluster "
+                f"has {self.ray.available_resources()} free. Nothing ran: the same command with "
+                "--run.overwrite true starts again") from None
         self.log(f"ray: placed the trainer and {cfg.inference.replicas} inference replica(s): {bundles}")
 
     def start(self, role: str, threads: int, env: dict) -> RemoteRole:

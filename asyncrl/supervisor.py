@@ -184,8 +184,8 @@ class Supervisor:
 
     def start(self, role: str) -> None:
         index = replica.index_of(role)
-        kind = "orchestrator" if role == "orchestrator" else "trainer" if index is None else "inference"
-        threads = 1 if kind == "orchestrator" else self.cfg.role_threads(kind)
+        kind = "trainer" if index is None else "inference"
+        threads = 1 if role == "orchestrator" else self.cfg.role_threads(kind)
         env = {}
         if index is not None:
             info = replica.read_info(self.run_dir, index) or {}

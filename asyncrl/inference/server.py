@@ -152,9 +152,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
         body = await request.json()
         path, version, policy = body.get("path"), body.get("version"), body.get("policy")
         # (a replica staged by Ray may hold only the patch: the full file is sent if the patch misses)
-        present = isinstance(path, str) and Path(path).is_file() or isinstance(body.get("patch"), str) and \
-            Path(body["patch"]).is_file()
-        if not isinstance(path, str) or not present or not isinstance(version, int):
+        given = [p for p in (path, body.get("patch")) if isinstance(p, str)]
+        if not (isinstance(path, str) and any(Path(p).is_file() for p in given) and isinstance(version, int)):
             return _error(400, f"need an existing 'path' (or 'patch') and an int 'version', got {body}")
         if not all(inside(p, weights_root) for p in (path, body.get("patch") or path)):
             return _error(400, f"a server loads only files under its run's weights/: refusing {path} "

@@ -197,17 +197,27 @@ class Router:
                 r.in_flight -= sequences
 
     # --- control ---------------------------------------------------------------------------
+    async def _on_each_routed(self, call, what: str) -> list:
+        """`await call(replica)` on every routed replica at once; the results of those that answered. One
+        that fails with an inference error leaves routing (the watcher brings it back); any other error
+        is raised."""
+        replicas = self.routed()
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        answered = []
+        for r, result in zip(replicas, results):
+            if isinstance(result, InferenceError):
+                self._unroute(r, result, what)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answered.append(result)
+        return answered
+
     async def load(self, version: int, marker: dict) -> None:
         """Every routed replica loads `version`; one that fails leaves routing (and comes back holding it)."""
         async with self.loading:
-            replicas = self.routed()
-            results = await asyncio.gather(*(self._load_one(r, version, marker) for r in replicas),
-                                           return_exceptions=True)
-            for r, result in zip(replicas, results):
-                if isinstance(result, InferenceError):
-                    self._unroute(r, result, f"loading version {version}")
-                elif isinstance(result, BaseException):
-                    raise result
+            load = lambda r: self._load_one(r, version, marker)  # noqa: E731
+            await self._on_each_routed(load, f"loading version {version}")
             self.version = version
             self.stager.forget_before(version)
         if not self.routed():
@@ -227,16 +237,9 @@ class Router:
 
     async def stats(self) -> dict:
         """The routed replicas' counters, summed (a replica that fails to answer leaves routing)."""
-        replicas = self.routed()
-        results = await asyncio.gather(*(r.client.stats() for r in replicas), return_exceptions=True)
         total: dict = {}
-        for r, result in zip(replicas, results):
-            if isinstance(result, InferenceError):
-                self._unroute(r, result, "a stats query")
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                _add(total, result)
+        for stats in await self._on_each_routed(lambda r: r.client.stats(), "a stats query"):
+            _add(total, stats)
         total["replicas_routed"] = len(self.routed())
         return total
 

@@ -30,7 +30,7 @@ class Stager:
             return local
         kind = "patch" if "patch" in local else "full"
         actor = self._actor(info)
-        ref, digest = await self._put(version, kind, Path(local[kind if kind == "patch" else "path"]))
+        ref, digest = await self._put(version, kind, Path(local.get("patch") or local["path"]))
         try:
             return await asyncio.wait_for(actor.stage.remote(version, kind, [ref], digest, local["hash"]),
                                           timeout=self.timeout)
