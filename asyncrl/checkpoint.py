@@ -27,8 +27,18 @@ from safetensors.torch import save_file
 from asyncrl import weights
 
 
+def storage_dir(run_dir: str | Path) -> Path:
+    """Where the run's trainer keeps what outlives it: <run.storage>/<run.name> when the run sets
+    run.storage, else the run directory itself."""
+    try:
+        run = json.loads((Path(run_dir) / "config.json").read_text())["run"]
+    except (OSError, ValueError, KeyError, TypeError):  # (a bare directory: an export, a unit test)
+        return Path(run_dir)
+    return Path(run["storage"]) / run["name"] if run.get("storage") else Path(run_dir)
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return storage_dir(run_dir) / "checkpoints"
 
 
 def _sha256(path: Path) -> str:

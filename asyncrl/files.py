@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import time
 from pathlib import Path
@@ -48,10 +49,14 @@ def poll(check: Callable[[], T], seconds: float, what: str | Callable[[], str], 
 async def apoll(
     check: Callable[[], T], seconds: float, what: str | Callable[[], str], every: float = 0.05
 ) -> T:
-    """`poll` for an event loop: the loop goes on between checks."""
+    """`poll` for an event loop: the loop goes on between checks (`check` may be a coroutine function)."""
     start = time.monotonic()
-    while not (result := check()):
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
         if time.monotonic() - start > seconds:
             raise TimeoutError(what() if callable(what) else what)
         await asyncio.sleep(every)
-    return result

@@ -43,13 +43,27 @@ def check_run_dir(cfg: Config) -> None:
         if any(run_dir.iterdir()) and not is_run_dir(run_dir):
             raise ConfigError(f"--run.overwrite: {run_dir} is not an asyncrl run directory (it has no run "
                               "config.json); refusing to delete it")
+    kept = trainer_storage(cfg)
+    if kept is not None and kept.exists() and any(kept.iterdir()):
+        if not cfg.run.overwrite:
+            raise ConfigError(f"run.storage: {kept} already holds a run's checkpoints; choose another "
+                              "--run.name or --run.storage, or pass --run.overwrite true")
+        if not {"checkpoints", "config.json"} & {p.name for p in kept.iterdir()}:
+            raise ConfigError(f"--run.overwrite: {kept} (run.storage) holds no asyncrl checkpoints or "
+                              "trainer directory; refusing to delete it")
+
+
+def trainer_storage(cfg: Config) -> Path | None:
+    """<run.storage>/<run.name> when the run sets run.storage (else its checkpoints are in the run dir)."""
+    return Path(cfg.run.storage) / cfg.run.name if cfg.run.storage else None
 
 
 def prepare_run_dir(cfg: Config) -> Path:
     run_dir = cfg.run_dir
     check_run_dir(cfg)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
+    for old in (run_dir, trainer_storage(cfg)):
+        if old is not None and old.exists():
+            shutil.rmtree(old)
     (run_dir / "logs").mkdir(parents=True)
     save_config(cfg, run_dir / "config.json")
     ensure_token(run_dir)
@@ -74,8 +88,9 @@ def _stop_on_sigterm(signum, frame):
     raise Stopped(f"stopped by signal {signum}")
 
 
-def launch(cfg: Config, run_dir: Path, log=print) -> None:
-    supervisor = Supervisor(cfg, run_dir, log)
+def launch(cfg: Config, run_dir: Path, log=print, fresh: bool = False) -> None:
+    """Run the roles to the end; `fresh`: a new run, not a resume."""
+    supervisor = Supervisor(cfg, run_dir, log, fresh)
     progress = Progress(run_dir, cfg.run.steps)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop_on_sigterm)  # stop the roles on the way out
@@ -123,7 +138,7 @@ def _train(cfg: Config, log) -> Path:
         f"max_staleness {cfg.rollout.max_staleness}, objective {cfg.objective.name}, "
         f"threads: inference {cfg.role_threads('inference')}, trainer {cfg.role_threads('trainer')}"
     )
-    return _run(cfg, run_dir, log)
+    return _run(cfg, run_dir, log, fresh=True)
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, force: bool = False, log=print) -> Path:
@@ -157,12 +172,12 @@ def _resume(run_dir: Path, overrides: list[str] | None, force: bool, log) -> Pat
     return _run(new, run_dir, log)
 
 
-def _run(cfg: Config, run_dir: Path, log) -> Path:
+def _run(cfg: Config, run_dir: Path, log, fresh: bool = False) -> Path:
     from asyncrl.ledger import audit
     from asyncrl.report import write_report
 
     start = time.monotonic()
-    launch(cfg, run_dir, log)
+    launch(cfg, run_dir, log, fresh)
     summary = write_report(run_dir)
     summary["wall_seconds"] = round(time.monotonic() - start, 1)
     summary["ledger"] = audit(run_dir, cfg.rollout.max_staleness)

@@ -28,29 +28,44 @@ from asyncrl.access import read_token
 from asyncrl.config import Config, ConfigError
 from asyncrl.files import write_atomic
 from asyncrl.inference import replica
+from asyncrl.trajectory import batch_path
 
 NAMESPACE = "asyncrl"
 KEEP_STAGED = 2  # versions a replica's directory keeps (the held one and the one it loads)
 
 
+def trainer_info_file(run_dir: Path) -> Path:
+    """Where the trainer's host is (its actor and directory), copied to the run directory for the
+    orchestrator's link to the trainer."""
+    return Path(run_dir) / "trainer.json"
+
+
 class RoleHost:
     """One role's process on one node (a Ray actor: `ray.remote(RoleHost)`)."""
 
-    def __init__(self, role: str, run_dir: str | None, config: str, token: str):
-        """`run_dir`: the run directory, when this node has it (the trainer); None: a scratch directory."""
+    def __init__(self, role: str, run_dir: str | None, config: str, token: str, fresh: bool = False):
+        """`run_dir`: the run directory, when this node shares it (the trainer without run.storage); else
+        the trainer's directory in run.storage (it outlives this host: checkpoints, published versions,
+        delivered batches), or a replica's scratch directory. `fresh`: the first host of a new run."""
         self.role = role
-        if run_dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix=f"asyncrl-{role}-"))
-            (self.dir / "logs").mkdir()
-            tree = json.loads(config)  # its run directory is this one: no path leads to the driver's
-            tree["run"].update(root=str(self.dir.parent), name=self.dir.name)
-            write_atomic(self.dir / "config.json", json.dumps(tree))
-            write_atomic(self.dir / "token", token)
-            os.chmod(self.dir / "token", 0o600)
-            self.scratch = True
-        else:
-            self.dir, self.scratch = Path(run_dir), False
         self.proc: subprocess.Popen | None = None
+        self.scratch = False
+        self.published: dict[tuple[int, str], tuple] = {}  # the trainer's: (version, kind) -> (ref, sha256)
+        if run_dir is not None:
+            self.dir = Path(run_dir)
+            return
+        tree = json.loads(config)  # its run directory is its own: no path leads to the driver's
+        if role == "trainer":
+            self.dir = Path(tree["run"]["storage"]) / tree["run"]["name"]
+            _claim(self.dir, fresh, tree["run"]["overwrite"])
+            tree["run"]["root"] = tree["run"]["storage"]
+        else:
+            self.dir, self.scratch = Path(tempfile.mkdtemp(prefix=f"asyncrl-{role}-")), True
+            tree["run"].update(root=str(self.dir.parent), name=self.dir.name)
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        write_atomic(self.dir / "config.json", json.dumps(tree))
+        write_atomic(self.dir / "token", token)
+        os.chmod(self.dir / "token", 0o600)
 
     def start(self, threads: int, env: dict) -> int:
         from asyncrl.supervisor import command, role_env, spawn
@@ -90,9 +105,12 @@ class RoleHost:
         return path.read_text(errors="replace")[-2**20:] if path.exists() else ""
 
     def info(self) -> dict | None:
-        """The replica's replicas/<i>.json; bound to every interface, its URL names this node."""
+        """The trainer's directory; a replica's replicas/<i>.json (bound to every interface, its URL names
+        this node)."""
         import ray
 
+        if replica.index_of(self.role) is None:
+            return {"dir": str(self.dir), "node": ray.util.get_node_ip_address()}
         info = replica.read_info(self.dir, replica.index_of(self.role))
         if info is not None and "://0.0.0.0:" in info["url"]:
             info["url"] = info["url"].replace("0.0.0.0", ray.util.get_node_ip_address())
@@ -104,7 +122,7 @@ class RoleHost:
         import ray
 
         data = ray.get(refs[0])
-        if hashlib.sha256(data).hexdigest() != digest:
+        if _sha256(data) != digest:
             raise ValueError(f"version {version} ({kind}) arrived with another sha256 than it was sent with")
         path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
         path.parent.mkdir(exist_ok=True)
@@ -114,6 +132,61 @@ class RoleHost:
         if kind == "patch":
             body.update(patch=str(path), base_version=version - 1)
         return body
+
+    # --- the trainer's channel (asyncrl/orchestrator/trainer_link.py) --------------------------------
+    def receive_batch(self, step: int, refs: list, digest: str) -> bool:
+        """Batch `step` from the orchestrator into this directory (kept if it is there already: a batch
+        re-sent after a restart is the same batch)."""
+        import ray
+
+        path = batch_path(self.dir, step)
+        if path.exists() and _sha256(path.read_bytes()) == digest:
+            return True
+        data = ray.get(refs[0])
+        if _sha256(data) != digest:
+            raise ValueError(f"batch {step} arrived with another sha256 than it was sent with")
+        write_atomic(path, data)
+        return True
+
+    def wait_version(self, version: int, timeout: float) -> dict | None:
+        """Version `version`'s marker once the trainer has published it; None if not within `timeout`."""
+        path = weights.marker_file(self.dir, version)
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        return weights.read_marker(self.dir, version)
+
+    def put_version(self, version: int, kind: str) -> tuple[list, str]:
+        """Version `version`'s full file or patch in the object store, once (returned in a list: Ray would
+        resolve a bare reference)."""
+        import ray
+
+        if (version, kind) not in self.published:
+            path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
+            data = path.read_bytes()
+            for old in [k for k in self.published if k[0] < version - KEEP_STAGED]:
+                del self.published[old]
+            self.published[(version, kind)] = [ray.put(data)], _sha256(data)
+        return self.published[(version, kind)]
+
+    def checkpoints(self, verify: bool) -> list[int]:
+        """Steps of the complete checkpoints (each file checked against its manifest if `verify`)."""
+        from asyncrl import checkpoint
+
+        return checkpoint.valid_steps(checkpoint.checkpoints_dir(self.dir), verify=verify)
+
+    def events_since(self, offset: int) -> tuple[str, int]:
+        """The role's events.jsonl from byte `offset` on (whole lines), and the offset after them."""
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return "", offset
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read(2**20)
+        text = text[: text.rfind(b"\n") + 1]
+        return text.decode(errors="replace"), offset + len(text)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -179,10 +252,11 @@ class RemoteRole:
 class RayHosts:
     """The run's placement group and the RoleHost actors in it."""
 
-    def __init__(self, cfg: Config, run_dir: Path, log=print):
+    def __init__(self, cfg: Config, run_dir: Path, log=print, fresh: bool = False):
+        """`fresh`: a new run (not a resume), whose trainer directory in run.storage must be new too."""
         import ray  # (asyncrl/preflight.py has said it is missing, if it is)
 
-        self.ray, self.cfg, self.run_dir, self.log = ray, cfg, run_dir, log
+        self.ray, self.cfg, self.run_dir, self.log, self.fresh = ray, cfg, run_dir, log, fresh
         _connect(cfg, log)
         self.hosts: dict[str, object] = {}
         self.group = None
@@ -192,8 +266,9 @@ class RayHosts:
         from ray.util.placement_group import placement_group
 
         cfg = self.cfg
-        here = f"node:{self.ray.util.get_node_ip_address()}"
-        bundles = [{"CPU": cfg.role_threads("trainer"), here: 0.001, **cfg.trainer.ray_resources}]
+        # without run.storage the trainer shares the run directory: it must run on this node
+        here = {} if cfg.run.storage else {f"node:{self.ray.util.get_node_ip_address()}": 0.001}
+        bundles = [{"CPU": cfg.role_threads("trainer"), **here, **cfg.trainer.ray_resources}]
         replica_bundle = {"CPU": cfg.role_threads("inference"), **cfg.inference.ray_resources}
         bundles += [replica_bundle] * cfg.inference.replicas
         self.group = placement_group(bundles, strategy="PACK", name=f"asyncrl-{cfg.run.name}")
@@ -225,8 +300,9 @@ class RayHosts:
             name = f"{self.cfg.run.name}.{role}.{time.monotonic_ns()}"
             actor = self.ray.remote(RoleHost).options(
                 name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=strategy, max_concurrency=8)
-            run_dir = str(self.run_dir.resolve()) if role == "trainer" else None
-            host = actor.remote(role, run_dir, self._config(), read_token(self.run_dir))
+            shared = role == "trainer" and not self.cfg.run.storage
+            host = actor.remote(role, str(self.run_dir.resolve()) if shared else None, self._config(),
+                                read_token(self.run_dir), fresh=self.fresh and role not in self.hosts)
             self.hosts[role] = host, name
             pid = self.ray.get(host.start.remote(threads, env), timeout=self.cfg.timeouts.startup)
         return RemoteRole(host, name, pid, role)
@@ -243,7 +319,7 @@ class RayHosts:
         for role, (host, _) in self.hosts.items():
             try:
                 text = self.ray.get(host.log_text.remote(), timeout=10)
-                if text and role != "trainer":
+                if text and (role != "trainer" or self.cfg.run.storage):
                     (self.run_dir / "logs" / f"{role}.log").write_text(text)
                 self.ray.get(host.close.remote(), timeout=10)
             except (self.ray.exceptions.RayError, OSError):
@@ -252,6 +328,22 @@ class RayHosts:
         if self.group is not None:
             self.ray.util.remove_placement_group(self.group)
         self.ray.shutdown()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _claim(path: Path, fresh: bool, overwrite: bool) -> None:
+    """The trainer's directory in run.storage: a new run finds it empty, or deletes it when told to (the
+    launcher checks the same where the driver sees the path; this host checks it on the trainer's node)."""
+    if not fresh or not path.exists() or not any(path.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigError(f"run.storage: {path} already holds a run's trainer directory (on node "
+                          f"{socket.gethostname()}); choose another --run.name or --run.storage, or pass "
+                          "--run.overwrite true")
+    shutil.rmtree(path)
 
 
 def _connect(cfg: Config, log) -> None:

@@ -3,9 +3,10 @@ demo's) and its bounds. asyncrl/config.py composes them into `Config` and loads 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -33,6 +34,16 @@ class RunConfig(Section):
     ray_address: str = "auto"
     # seconds to wait for Ray to place a role (a placement group that cannot be placed waits forever)
     ray_placement_timeout: float = Field(120.0, gt=0)
+    # where the trainer keeps what outlives a process: "" keeps checkpoints in the run directory; a path
+    # (a disk or mounted bucket the trainer's node can write) holds them in <storage>/<name>/checkpoints,
+    # and under Ray the trainer's whole directory, so the trainer may run on any node (docs/distributed.md)
+    storage: str = ""
+
+    @field_validator("storage")
+    @classmethod
+    def _absolute_storage(cls, value: str) -> str:
+        # (the trainer may run in another working directory, on another node)
+        return str(Path(value).expanduser().absolute()) if value else ""
 
 
 class ModelConfig(Section):

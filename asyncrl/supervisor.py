@@ -25,6 +25,7 @@ from asyncrl.events import EventLog
 from asyncrl.fatal import FATAL_EXIT, failure_file, read_failure
 from asyncrl.files import poll, write_atomic
 from asyncrl.inference import replica
+from asyncrl.ray_roles import trainer_info_file
 
 MODULES = {"trainer": "asyncrl.trainer.main", "orchestrator": "asyncrl.orchestrator.main"}
 
@@ -149,7 +150,7 @@ def wait_for_replicas(supervisor: "Supervisor", deadline: float) -> None:
             if proc.poll() is not None:
                 raise RunError(f"the {role} process exited with code {proc.returncode}; last lines of its "
                                f"log ({supervisor.log_path(role)}):\n{supervisor.tail(role)}")
-            supervisor.sync_replica(role)
+            supervisor.sync_info(role)
         return all(replica.read_info(supervisor.run_dir, replica.index_of(r)) for r in replicas)
 
     try:
@@ -165,7 +166,7 @@ class Supervisor:
     for timeouts.heartbeat, is restarted (each role resumes from the run directory on its own);
     past run.max_restarts restarts of one role the run stops with that role's last log lines."""
 
-    def __init__(self, cfg: Config, run_dir: Path, log=print):
+    def __init__(self, cfg: Config, run_dir: Path, log=print, fresh: bool = False):
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.procs: dict = {}  # role -> subprocess.Popen, or a ray_roles.RemoteRole under Ray
         self.restarts = {role: 0 for role in role_names(cfg)}
@@ -177,7 +178,7 @@ class Supervisor:
         if cfg.run.launcher == "ray":
             from asyncrl.ray_roles import RayHosts
 
-            self.hosts = RayHosts(cfg, run_dir, log)
+            self.hosts = RayHosts(cfg, run_dir, log, fresh)
 
     def _vllm(self, role: str) -> bool:
         return replica.index_of(role) is not None and self.cfg.inference.engine == "vllm"
@@ -213,6 +214,7 @@ class Supervisor:
     def start_all(self) -> None:
         # (from an earlier launch) written anew once bound
         shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)
+        trainer_info_file(self.run_dir).unlink(missing_ok=True)
         failure_file(self.run_dir).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "heartbeats", ignore_errors=True)
         if self.hosts is not None:
@@ -221,12 +223,17 @@ class Supervisor:
             self.start(role)
         wait_for_replicas(self, self.cfg.timeouts.startup)
         self.start("trainer")
+        self.sync_info("trainer")
         self.start("orchestrator")
 
-    def sync_replica(self, role: str) -> None:
-        """A replica under Ray writes its URL on its own node: copy it here, for the orchestrator."""
-        if self.hosts is not None and not self._vllm(role):
-            self.procs[role].sync_info(replica.info_file(self.run_dir, replica.index_of(role)))
+    def sync_info(self, role: str) -> None:
+        """A role under Ray says where it is on its own node (a replica its URL, the trainer its directory
+        and host): copy that here, for the orchestrator."""
+        if self.hosts is None or role == "orchestrator" or self._vllm(role):
+            return
+        index = replica.index_of(role)
+        self.procs[role].sync_info(trainer_info_file(self.run_dir) if index is None
+                                   else replica.info_file(self.run_dir, index))
 
     def log_path(self, role: str) -> Path:
         return self.run_dir / "logs" / f"{role}.log"
@@ -268,8 +275,8 @@ class Supervisor:
             code = proc.poll()
             if code == 0 and replica.index_of(role) is None:
                 continue
-            if code is None and replica.index_of(role) is not None:
-                self.sync_replica(role)
+            if code is None:
+                self.sync_info(role)
             if code == FATAL_EXIT:  # a restart would meet the same error: the run ends with its sentence
                 failure = read_failure(self.run_dir) or {"error": f"exited with code {code}"}
                 self.events.write("role_failed", target=role, why=failure["error"])

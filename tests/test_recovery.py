@@ -9,10 +9,10 @@ import pytest
 from conftest import job_args, job_config
 
 from asyncrl.chaos import Chaos, steps_recorded
-from asyncrl.checkpoint import checkpoints_dir
-from asyncrl.config import read_run_config
+from asyncrl.checkpoint import checkpoints_dir, latest, valid_steps
+from asyncrl.config import ConfigError, read_run_config
 from asyncrl.events import read_events
-from asyncrl.launcher import RunError, train
+from asyncrl.launcher import RunError, resume, train
 from asyncrl.ledger import audit
 
 pytestmark = pytest.mark.e2e
@@ -191,3 +191,20 @@ def test_roles_die_with_their_launcher_however_it_dies(tiny_model, tmp_path):
     while any(alive(pid) for pid in roles.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [role for role, pid in roles.items() if alive(pid)]
+
+
+def test_checkpoints_in_run_storage_and_a_resume_from_there(tiny_model, tmp_path):
+    """run.storage: the checkpoints go to <storage>/<name>/checkpoints, none to the run directory; a new
+    run of the same name there is refused (it would mix two runs' checkpoints); --resume continues."""
+    storage = tmp_path / "bucket"
+    overrides = {"run.steps": 4, "trainer.checkpoint_every": 2, "run.storage": str(storage),
+                 "task.eval_size": 0}
+    quiet = lambda *a, **k: None  # noqa: E731
+    run_dir = train(job_config(tmp_path, tiny_model, **overrides), log=quiet)
+    assert valid_steps(storage / "job" / "checkpoints") == [2, 4]
+    assert not (run_dir / "checkpoints").exists()
+    with pytest.raises(ConfigError, match="run.storage: .* already holds a run's checkpoints"):
+        train(job_config(tmp_path / "elsewhere", tiny_model, **overrides), log=quiet)
+    resume(run_dir, ["--run.steps", "6"], log=quiet)
+    assert latest(run_dir) == storage / "job" / "checkpoints" / "step_000006"
+    assert_nothing_lost(run_dir)

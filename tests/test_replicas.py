@@ -11,6 +11,7 @@ from conftest import job_args
 from test_recovery import assert_nothing_lost
 
 from asyncrl.chaos import Chaos, steps_recorded
+from asyncrl.checkpoint import valid_steps
 from asyncrl.events import read_events
 from asyncrl.inference import replica
 from asyncrl.supervisor import start_role, stop, wait_for_replica
@@ -91,6 +92,48 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
         log = (run_dir / "logs" / f"inference-{i}.log").read_text()
         assert f"inference {i}: serving" in log
     assert not list((run_dir / "weights").glob("*.staged*"))
+    assert_nothing_lost(run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_path, ray_cluster, record):
+    """run.storage set: the trainer runs on node_b too, in <storage>/job, with nothing of the run directory;
+    batches reach it and versions leave it through Ray. Its host actor is killed mid-run: a new host
+    restarts it from the checkpoint in run.storage, the batches it needs are sent again, and the replayed
+    versions are bit-identical."""
+    import ray
+
+    run_dir, storage = tmp_path / "runs" / "job", tmp_path / "bucket"
+    steps = 40
+    proc = train_cli(tmp_path, tiny_model, **{
+        "run.launcher": "ray", "run.ray_address": ray_cluster, "run.storage": str(storage),
+        "inference.replicas": 1, "inference.ray_resources": "{node_b = 1}",
+        "trainer.ray_resources": "{node_b = 1}", "trainer.publish_patches": True, "run.steps": steps,
+        "task.eval_every": steps, "trainer.checkpoint_every": 8})
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 300
+        while steps_recorded(run_dir) < 12 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = json.loads((run_dir / "trainer.json").read_text())
+        ray.init(address=ray_cluster, namespace=info["namespace"], log_to_driver=False)
+        ray.kill(ray.get_actor(info["actor"]))
+        killed_at = steps_recorded(run_dir)
+    finally:
+        ray.shutdown()
+        out, _ = proc.communicate(timeout=800)
+    assert proc.returncode == 0, out[-3000:]
+    record("steps_left_at_trainer_host_kill", steps - killed_at, threshold=0)
+    assert info["dir"] == str(storage / "job")
+    assert str(tmp_path / "runs") not in (storage / "job" / "config.json").read_text()
+    assert valid_steps(storage / "job" / "checkpoints")[-1] == steps
+    assert not (run_dir / "checkpoints").exists() and not list((run_dir / "weights").glob("*.safetensors"))
+    events = read_events(run_dir)  # the trainer's own events came back through the link
+    assert [e["target"] for e in events if e["event"] == "role_restarted"] == ["trainer"]
+    assert any(e["event"] == "trainer_resumed" for e in events)
+    replayed = [e["identical"] for e in events if e["event"] == "version_replayed"]
+    assert replayed and all(replayed)
+    assert "trainer: resuming from" in (run_dir / "logs" / "trainer.log").read_text()
     assert_nothing_lost(run_dir)
 
 

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl import checkpoint, weights
 from asyncrl.access import read_token
 from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
@@ -41,6 +40,7 @@ from asyncrl.orchestrator.records import batch_stats, profile
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
+from asyncrl.orchestrator.trainer_link import trainer_link
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import BadTaskRow, load_tasks
@@ -50,8 +50,9 @@ MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a ma
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool):
+    def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool, link):
         self.cfg, self.run_dir, self.router, self.tokenizer = cfg, run_dir, router, tokenizer
+        self.link = link  # to the trainer: asyncrl/orchestrator/trainer_link.py
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
@@ -90,15 +91,17 @@ class Orchestrator:
         for step in batched:  # a crash between the ledger and the file: write it again
             if not batch_path(self.run_dir, step).exists():
                 self._write_batch(step, led.batch_samples(step))
-        corrupt = lambda m: self.events.write("checkpoint_corrupt", detail=m)  # noqa: E731
-        newest = checkpoint.latest(self.run_dir, log=corrupt)
-        self.committed_through = int(newest.name.removeprefix("step_")) if newest else 0
-        led.commit_through(self.committed_through)
+        self.committed_through = 0  # (from the trainer's checkpoints: _connect_trainer)
         # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
         write_atomic(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in led.metrics()))
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
+
+    async def _connect_trainer(self) -> None:
+        """The newest durable checkpoint commits its batches; the trainer gets each batch it may need."""
+        self._commit(await self.link.checkpoints(verify=True))
+        await self.link.start(self.committed_through)
         if self.cursor:
             self.events.write("orchestrator_resumed", served_version=self.router.version, cursor=self.cursor,
                               reissued=len(self.reissue), ready_groups=len(self.ready),
@@ -242,6 +245,7 @@ class Orchestrator:
                 self.ledger.batch(step, trajs, batch_stats(step, trajs, dropped))
             with self.phases("write_batch"):
                 self._write_batch(step, trajs)
+                await self.link.deliver(step)
         self.assembled = True
         await self._notify()
 
@@ -263,7 +267,8 @@ class Orchestrator:
             self.ledger.record_step(version, record)
             await self._notify()
             self._write_metrics(record)
-            self._commit(checkpoint.valid_steps(checkpoint.checkpoints_dir(self.run_dir), verify=False))
+            self._commit(await self.link.checkpoints())
+            await self.link.copy_events(self.ledger)
             if self.evaluator and (version % self.cfg.task.eval_every == 0 or version == self.cfg.run.steps):
                 self.evals.append(asyncio.create_task(self.evaluate()))
         await asyncio.gather(*self.evals)
@@ -277,28 +282,25 @@ class Orchestrator:
             self.events.write("committed", through_step=self.committed_through, samples=n)
 
     async def _wait_for_final_checkpoint(self) -> None:
-        root = checkpoint.checkpoints_dir(self.run_dir)
-
-        def committed_all() -> bool:
-            self._commit(checkpoint.valid_steps(root, verify=False))
+        async def committed_all() -> bool:
+            self._commit(await self.link.checkpoints())
             return self.committed_through >= self.cfg.run.steps
 
         await apoll(committed_all, self.cfg.timeouts.checkpoint,
                     f"orchestrator: the trainer's final checkpoint (step {self.cfg.run.steps}) did not "
-                    f"appear in {root} within {self.cfg.timeouts.checkpoint:.0f}s (timeouts.checkpoint)")
+                    f"appear in {self.link.where()} within {self.cfg.timeouts.checkpoint:.0f}s "
+                    "(timeouts.checkpoint)")
+        await self.link.copy_events(self.ledger)
 
     async def _wait_for_version(self, version: int) -> dict:
-        path = weights.marker_file(self.run_dir, version)
-
-        def published() -> bool:  # (a stat every 5 ms; reading the marker each time cost 5% of this process)
+        def failed() -> None:
             if self.failure:
                 raise self.failure
-            return path.exists()
 
-        await apoll(published, self.cfg.timeouts.train_step,
-                    f"orchestrator: the trainer did not publish version {version} (step {version - 1}) "
-                    f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", every=0.005)
-        return weights.read_marker(self.run_dir, version)
+        return await self.link.marker(
+            version, self.cfg.timeouts.train_step,
+            f"orchestrator: the trainer did not publish version {version} (step {version - 1}) within "
+            f"{self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", failed)
 
     async def _step_record(self, version: int, marker: dict) -> dict:
         now = time.monotonic()
@@ -336,6 +338,7 @@ class Orchestrator:
         self._write_metrics(record)
 
     async def run(self) -> None:
+        await self._connect_trainer()
         await self.router.start()
         warm = asyncio.create_task(self.verifiers.warm())  # while the first rollouts generate
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
@@ -367,12 +370,13 @@ async def main(run_dir: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = read_run_config(run_dir)
-    router = Router(cfg, run_dir, EventLog(run_dir, "orchestrator"), read_token(run_dir))
+    link = trainer_link(cfg, run_dir)
+    router = Router(cfg, run_dir, EventLog(run_dir, "orchestrator"), read_token(run_dir), link)
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
         await router.reachable()  # (a server that never answers fails the role before anything slow)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        await Orchestrator(cfg, run_dir, router, tokenizer, verifiers).run()
+        await Orchestrator(cfg, run_dir, router, tokenizer, verifiers, link).run()
     finally:
         await router.close()
         verifiers.close()

@@ -14,7 +14,6 @@ import asyncio
 import time
 from pathlib import Path
 
-from asyncrl import weights
 from asyncrl.events import EventLog
 from asyncrl.files import apoll
 from asyncrl.inference import replica as replica_files
@@ -37,13 +36,14 @@ class Replica:
 
 
 class Router:
-    def __init__(self, cfg, run_dir: Path, events: EventLog, token: str | None):
-        self.cfg, self.run_dir, self.events, self.token = cfg, run_dir, events, token
+    def __init__(self, cfg, run_dir: Path, events: EventLog, token: str | None, link):
+        """`link`: to the trainer, which publishes the versions (asyncrl/orchestrator/trainer_link.py)."""
+        self.cfg, self.run_dir, self.events, self.token, self.link = cfg, run_dir, events, token, link
         self.version = 0  # the served version, set from the ledger; every routed replica holds it
         self.replicas: dict[int, Replica] = {}
         self.changed = asyncio.Condition()  # a replica entered routing
         self.loading = asyncio.Lock()  # a version load and a replica's entry never interleave
-        self.stager = Stager(run_dir, cfg.timeouts.weight_load)
+        self.stager = Stager(run_dir, cfg.timeouts.weight_load, link.fetch)
         self._watcher: asyncio.Task | None = None
         self.broken: Exception | None = None  # why the watcher died
 
@@ -148,11 +148,11 @@ class Router:
         resume found it damaged, the trainer is publishing again)."""
         if r.version == self.version or self.version == 0:
             return
-        marker = weights.marker_file(self.run_dir, self.version)
-        await apoll(marker.exists, self.cfg.timeouts.train_step,
-                    f"orchestrator: the served version {self.version} ({marker}) was not published again "
-                    f"within {self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", every=0.05)
-        await self._load_one(r, self.version, weights.read_marker(self.run_dir, self.version), patch=False)
+        marker = await self.link.marker(
+            self.version, self.cfg.timeouts.train_step,
+            f"orchestrator: the served version {self.version} was not published again within "
+            f"{self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)")
+        await self._load_one(r, self.version, marker, patch=False)
 
     def _unroute(self, r: Replica, error: Exception, what: str) -> None:
         if r.routed:

@@ -17,22 +17,33 @@ from asyncrl.inference.client import InferenceError, InferenceUnavailable
 
 
 class Stager:
-    def __init__(self, run_dir: Path, timeout: float):
-        self.run_dir, self.timeout = run_dir, timeout
+    def __init__(self, run_dir: Path, timeout: float, fetch=None):
+        """`fetch(version, kind)`: (object ref, sha256) of a version put by the trainer's own host, when the
+        trainer is on another node (asyncrl/orchestrator/trainer_link.py); else the run directory's file
+        is put here."""
+        self.run_dir, self.timeout, self.fetch = run_dir, timeout, fetch
         self.refs: dict[tuple[int, str], tuple] = {}  # (version, "full" | "patch") -> (object ref, sha256)
         self.actors: dict[str, object] = {}  # by the host actor's id
         self.ray = None
 
     async def body(self, info: dict, version: int, marker: dict, patch: bool) -> dict:
         """The /update_weights body for the replica described by `info` (its replicas/<i>.json)."""
-        local = weights.load_request(self.run_dir, version, marker, patch)
-        if "actor" not in info:
-            return local
-        kind = "patch" if "patch" in local else "full"
-        actor = self._actor(info)
-        ref, digest = await self._put(version, kind, Path(local.get("patch") or local["path"]))
+        if self.fetch is None:
+            local = weights.load_request(self.run_dir, version, marker, patch)
+            if "actor" not in info:
+                return local
+            actor = self._actor(info)
+            kind = "patch" if "patch" in local else "full"
+            ref, digest = await self._put(version, kind, Path(local.get("patch") or local["path"]))
+        else:  # (a patch was published with the version when its marker has its fraction)
+            kind = "patch" if patch and "patch_fraction" in marker else "full"
+            if (version, kind) not in self.refs:
+                self.refs[(version, kind)] = await self.fetch(version, kind)
+            ref, digest = self.refs[(version, kind)]
+            actor = self._actor(info)
+        served_hash = marker.get("serving_hash", marker["hash"])
         try:
-            return await asyncio.wait_for(actor.stage.remote(version, kind, [ref], digest, local["hash"]),
+            return await asyncio.wait_for(actor.stage.remote(version, kind, [ref], digest, served_hash),
                                           timeout=self.timeout)
         except asyncio.TimeoutError:
             raise InferenceError(f"replica {info['actor']} did not fetch version {version} within "
@@ -40,7 +51,8 @@ class Stager:
         except self.ray.exceptions.RayActorError as e:  # its node or its host died: a dead replica
             self.actors.pop(info["host"], None)
             raise InferenceUnavailable(f"replica {info['actor']} is gone: {e}") from None
-        except self.ray.exceptions.RayTaskError as e:
+        except self.ray.exceptions.RayTaskError as e:  # (the copy may be lost with the trainer's host)
+            self.refs.pop((version, kind), None)
             raise InferenceError(f"replica {info['actor']} could not stage version {version}: {e}") from None
 
     async def _put(self, version: int, kind: str, path: Path) -> tuple[object, str]:
