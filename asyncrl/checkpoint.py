@@ -68,6 +68,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def parts(model, optimizer, scheduler) -> tuple[dict, dict, dict]:
+    """CheckpointWriter.save's arguments for a model in one process (tests, benchmarks; the trainer builds
+    them across its ranks)."""
+    trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+               "rng": torch.get_rng_state()}
+    return weights.model_state(model), model.config.to_dict(), trainer
+
+
 class CheckpointWriter:
     """At most one checkpoint in flight; `save` returns after the host copy, `wait` after the rename."""
 
@@ -78,16 +86,13 @@ class CheckpointWriter:
         self.error: BaseException | None = None
         self.write_seconds: list[float] = []
 
-    def save(self, step: int, model, optimizer, scheduler) -> float:
-        """Snapshot now, write in the background; returns the seconds training was stalled."""
+    def save(self, step: int, model_state: dict, model_config: dict, trainer_state: dict) -> float:
+        """Snapshot now (the published weights, the model's config, the optimizer, scheduler and RNG
+        states), write in the background; returns the seconds training was stalled."""
         start = time.monotonic()
         self.wait()  # the previous one must be on disk before its successor is started
-        snapshot = {
-            "model": _to_host(weights.model_state(model)),
-            "config": model.config.to_dict(),
-            "trainer": _to_host({"step": step, "optimizer": optimizer.state_dict(),
-                                 "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}),
-        }
+        snapshot = {"model": _to_host(model_state), "config": model_config,
+                    "trainer": _to_host({"step": step, **trainer_state})}
         self.thread = threading.Thread(
             target=self._write, args=(step, snapshot), daemon=True, name="checkpoint"
         )

@@ -69,6 +69,12 @@ class Config(Section):
         if self.inference.engine == "vllm" and self.run.launcher == "ray":
             raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
                              "replicas run under the local launcher; docs/distributed.md)")
+        rows = ro.prompts_per_step * ro.group_size
+        if rows < self.trainer.ranks * self.trainer.minibatches:
+            raise ValueError(
+                f"trainer.ranks = {self.trainer.ranks} x trainer.minibatches = {self.trainer.minibatches} "
+                f"needs a batch of at least that many samples (rollout.prompts_per_step x group_size = "
+                f"{rows}): every rank trains rows of every minibatch")
         if self.task.name == "jsonl" and not self.task.path:
             raise ValueError(
                 'task.name = \'jsonl\' needs task.path, a file of {"prompt": ..., "answer": ...} rows'
@@ -237,6 +243,8 @@ RESUMABLE_KEYS = (
     "trainer.keep_checkpoints",
     "trainer.keep_weight_versions",
     "trainer.threads",
+    "trainer.ranks",  # (a checkpoint holds whole states: any rank count resumes it)
+    "trainer.activation_checkpointing",
     "trainer.device",
     "inference.host",
     "inference.port",

@@ -268,7 +268,8 @@ class RayHosts:
         cfg = self.cfg
         # without run.storage the trainer shares the run directory: it must run on this node
         here = {} if cfg.run.storage else {f"node:{self.ray.util.get_node_ip_address()}": 0.001}
-        bundles = [{"CPU": cfg.role_threads("trainer"), **here, **cfg.trainer.ray_resources}]
+        trainer_cpus = cfg.role_threads("trainer") * cfg.trainer.ranks
+        bundles = [{"CPU": trainer_cpus, **here, **cfg.trainer.ray_resources}]
         replica_bundle = {"CPU": cfg.role_threads("inference"), **cfg.inference.ray_resources}
         bundles += [replica_bundle] * cfg.inference.replicas
         self.group = placement_group(bundles, strategy="PACK", name=f"asyncrl-{cfg.run.name}")

@@ -255,6 +255,13 @@ class TrainerConfig(Section):
     # 0 = choose: both cores when roles alternate (max_staleness 0), one each when they overlap.
     threads: int = Field(0, ge=0)
     device: str = Field("cpu", description='torch device of the trainer, e.g. "cuda"')
+    # processes of the trainer's torch.distributed group, the model sharded over them with FSDP2
+    # (asyncrl/trainer/ranks.py); each uses `threads` threads (on GPUs: one device each)
+    ranks: int = Field(1, ge=1, le=64)
+    # ranks > 1: FSDP2's compute dtype (gradients are reduced in float32 either way)
+    mixed_precision: Literal["off", "bf16"] = "off"
+    # recompute each block's activations in the backward pass: less memory, ~30% more compute
+    activation_checkpointing: bool = False
     # run.launcher = "ray": what the trainer's actor asks of its node besides its threads (e.g. {GPU = 1})
     ray_resources: dict[str, float] = {}
 

@@ -67,7 +67,7 @@ def checkpoint_stall(path: str, repeats: int = 5) -> dict:
         writer = checkpoint.CheckpointWriter(tmp, tok, keep=2, deadline=600)
         for step in range(1, repeats + 1):
             start = time.monotonic()
-            stalls.append(writer.save(step, model, optimizer, scheduler))
+            stalls.append(writer.save(step, *checkpoint.parts(model, optimizer, scheduler)))
             writer.wait()
             writes.append(time.monotonic() - start)
     params = sum(p.numel() for p in model.parameters())

@@ -1,8 +1,9 @@
 """Scale-out costs, measured side by side on this machine:
 
-  jobs      the same short job with 1 replica (local launcher), 2 replicas (local) and 2 replicas under
-            Ray (trainer and replicas in actors, replicas fed through the object store): samples/s and
-            the ratio to the local single-replica run (Ray's overhead);
+  jobs      the same short job with 1 and 2 replicas, under the local launcher and under Ray (trainer
+            and replicas in actors, replicas fed through the object store; and with run.storage, the
+            trainer fed through it too), --rounds times each: samples/s and, round by round, the ratio
+            to the local single-replica run (Ray's overhead);
   transfer  one version through Ray's object store to a replica's host (put, fetch on the host, sha256,
             write), full file and sparse patch, for the tiny model and a ~20M one: bytes and seconds;
   sparsity  the sparse patch's size as a fraction of the full weights after one AdamW step at several
@@ -10,13 +11,14 @@
 
 Writes benchmarks/results/scale.{json,md}.
 
-    python benchmarks/scale.py [--steps 40] [--model models/tiny-default] [--skip jobs]
+    python benchmarks/scale.py [--steps 40] [--rounds 3] [--model models/tiny-default] [--skip jobs]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,14 +48,25 @@ def job(name: str, model: str, steps: int, extra: list[str]) -> dict:
             "eval_accuracy_final": summary.get("eval_accuracy_final")}
 
 
-def jobs(model: str, steps: int) -> list[dict]:
+def jobs(model: str, steps: int, rounds: int) -> list[dict]:
+    """Every job once per round, in the same order, so that a pairing within a round shares the machine's
+    state; a job's row has its median over rounds and its ratio to local-1 in each round."""
     ray = ["--run.launcher", "ray", "--run.ray_address", "local"]
-    rows = [job("local-1", model, steps, []), job("ray-1", model, steps, ray),
-            job("local-2", model, steps, ["--inference.replicas", "2"]),
-            job("ray-2", model, steps, ["--inference.replicas", "2", *ray])]
-    base = rows[0]["samples_per_s"]
-    for r in rows:
-        r["samples_per_s_vs_local_1"] = round(r["samples_per_s"] / base, 3)
+    storage = tempfile.mkdtemp(prefix="asyncrl-scale-storage-")
+    kinds = {"local-1": [], "ray-1": ray,
+             "ray-1-storage": [*ray, "--run.storage", storage],  # the trainer fed through Ray, not files
+             "local-2": ["--inference.replicas", "2"], "ray-2": ["--inference.replicas", "2", *ray]}
+    runs = [[job(name, model, steps, extra) for name, extra in kinds.items()] for _ in range(rounds)]
+    rows = []
+    for i, name in enumerate(kinds):
+        rates = [r[i]["samples_per_s"] for r in runs]
+        ratios = [r[i]["samples_per_s"] / r[0]["samples_per_s"] for r in runs]
+        rows.append({"name": name, "samples_per_s_median": round(statistics.median(rates), 1),
+                     "samples_per_s": [round(x, 1) for x in rates],
+                     "vs_local_1_each_round": [round(x, 3) for x in ratios],
+                     "vs_local_1_median": round(statistics.median(ratios), 3),
+                     "wall_seconds_median": statistics.median(r[i]["wall_seconds"] for r in runs)})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -143,6 +156,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="models/tiny-default")
     parser.add_argument("--skip", nargs="*", default=[], choices=["jobs", "transfer", "sparsity"])
     args = parser.parse_args()
@@ -155,7 +169,7 @@ def main() -> None:
     if "transfer" not in args.skip:
         results["transfer"] = transfer([args.model, big])
     if "jobs" not in args.skip:
-        results["jobs"] = jobs(args.model, args.steps)
+        results["jobs"] = jobs(args.model, args.steps, args.rounds)
     path = OUT / "scale.json"  # (a part skipped keeps its earlier numbers)
     results = {**(json.loads(path.read_text()) if path.exists() else {}), **results}
     path.write_text(json.dumps(results, indent=1))

@@ -22,7 +22,7 @@ def test_background_checkpoint_restores_exactly_while_training_goes_on(tiny_mode
     writer = checkpoint.CheckpointWriter(tmp_path, tokenizer, keep=2, deadline=60)
     saved_hash = weights.state_hash(weights.model_state(model))
     saved_moment = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
-    stall = writer.save(1, model, optimizer, scheduler)
+    stall = writer.save(1, *checkpoint.parts(model, optimizer, scheduler))
     with torch.no_grad():  # training goes on while the thread writes: the snapshot must not see it
         for p in model.parameters():
             p.add_(1.0)
@@ -42,7 +42,7 @@ def test_corrupt_or_partial_checkpoints_fall_back_to_an_earlier_one(tiny_model, 
     model, tokenizer, optimizer, scheduler = trained(tiny_model)
     writer = checkpoint.CheckpointWriter(tmp_path, tokenizer, keep=3, deadline=60)
     for step in (1, 2, 3):
-        writer.save(step, model, optimizer, scheduler)
+        writer.save(step, *checkpoint.parts(model, optimizer, scheduler))
     writer.wait()
     root = checkpoint.checkpoints_dir(tmp_path)
     blob = root / "step_000003" / "model.safetensors"
@@ -59,7 +59,7 @@ def test_keep_last_n(tiny_model, tmp_path):
     model, tokenizer, optimizer, scheduler = trained(tiny_model)
     writer = checkpoint.CheckpointWriter(tmp_path, tokenizer, keep=2, deadline=60)
     for step in range(1, 6):
-        writer.save(step, model, optimizer, scheduler)
+        writer.save(step, *checkpoint.parts(model, optimizer, scheduler))
     writer.wait()
     assert checkpoint.valid_steps(checkpoint.checkpoints_dir(tmp_path)) == [4, 5]
 
@@ -67,7 +67,7 @@ def test_keep_last_n(tiny_model, tmp_path):
 def test_export_is_a_plain_hf_model_directory(tiny_model, tmp_path):
     model, tokenizer, optimizer, scheduler = trained(tiny_model)
     writer = checkpoint.CheckpointWriter(tmp_path / "run", tokenizer, keep=2, deadline=60)
-    writer.save(7, model, optimizer, scheduler)
+    writer.save(7, *checkpoint.parts(model, optimizer, scheduler))
     writer.wait()
     out = checkpoint.export(tmp_path / "run", tmp_path / "exported")
     loaded = AutoModelForCausalLM.from_pretrained(out)

@@ -205,6 +205,8 @@ def test_checkpoints_in_run_storage_and_a_resume_from_there(tiny_model, tmp_path
     assert not (run_dir / "checkpoints").exists()
     with pytest.raises(ConfigError, match="run.storage: .* already holds a run's checkpoints"):
         train(job_config(tmp_path / "elsewhere", tiny_model, **overrides), log=quiet)
+    with pytest.raises(ConfigError, match="run.storage"):  # its checkpoints would be left behind
+        resume(run_dir, ["--run.storage", str(tmp_path / "other")], log=quiet)
     resume(run_dir, ["--run.steps", "6"], log=quiet)
     assert latest(run_dir) == storage / "job" / "checkpoints" / "step_000006"
     assert_nothing_lost(run_dir)

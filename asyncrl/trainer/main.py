@@ -9,9 +9,11 @@ before the crash.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from asyncrl.ledger import batch_digest
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
 from asyncrl.profile import Phases
+from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import batch_path, read_batch
 
@@ -64,26 +67,29 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heart
     return path
 
 
-def restore(run_dir: Path, cfg, events: EventLog):
-    """(model, tokenizer, trainer state or None): the newest valid checkpoint, else the initial model."""
+def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
+    """(model, tokenizer, trainer state or None) on every rank: the newest checkpoint that verifies (the
+    leader looks; the others load what it found), else the initial model."""
     def corrupt(message: str) -> None:
         print(f"trainer: {message}", flush=True)
         events.write("checkpoint_corrupt", detail=message)
 
-    path = checkpoint.latest(run_dir, log=corrupt)
+    path = ranks.broadcast(checkpoint.latest(run_dir, log=corrupt) if ranks.leader else None)
     model, tokenizer = load_policy(str(path) if path else cfg.model.path)
     if path is None:
         return model, tokenizer, None
     state = checkpoint.load_trainer_state(path)
-    print(f"trainer: resuming from {path} (step {state['step']})", flush=True)
-    events.write("trainer_resumed", checkpoint=str(path), step=state["step"])
+    if ranks.leader:
+        print(f"trainer: resuming from {path} (step {state['step']})", flush=True)
+        events.write("trainer_resumed", checkpoint=str(path), step=state["step"])
     return model, tokenizer, state
 
 
-def check_finite(model, step: int, metrics: dict) -> None:
+def check_finite(model, step: int, metrics: dict, ranks: Ranks) -> None:
     """Non-finite weights are never published or checkpointed: the run stops with why (a restart would
     replay the same step into the same weights)."""
-    if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 (a rank's shard)
+    if ranks.all(all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())):
         return
     raise FatalError(
         f"trainer: step {step} made the weights non-finite (lr {metrics['lr']:.3g}, "
@@ -115,62 +121,89 @@ def main(run_dir: str) -> None:
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.role_threads("trainer"))
-    events = EventLog(run_dir, "trainer")
+    ranks = join_group(cfg, run_dir)
+    try:
+        train(run_dir, cfg, ranks)
+    finally:
+        ranks.close()
+
+
+@dataclass
+class Setup:
+    model: torch.nn.Module  # sharded over the ranks
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    first_step: int
+    ref_model: torch.nn.Module | None
+    published: list[str]  # names of the published weights (tied weights once), from the unsharded model
+
+
+def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
+    """The model (restored, sharded), its optimizer and schedule, on every rank."""
     torch.manual_seed(cfg.run.seed)
-    model, tokenizer, resumed = restore(run_dir, cfg, events)
+    model, tokenizer, resumed = restore(run_dir, cfg, events, ranks)
     model.to(cfg.trainer.device).train()
+    published = list(weights.model_state(model))
+    if cfg.trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ranks.shard(model, cfg.trainer.mixed_precision)
     ref_model = None
-    if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen
+    if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen (a whole copy per rank)
         ref_model = load_policy(cfg.model.path)[0].to(cfg.trainer.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.trainer.lr, betas=cfg.trainer.betas, weight_decay=cfg.trainer.weight_decay
-    )
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     first_step = 0
     if resumed is not None:
-        optimizer.load_state_dict(resumed["optimizer"])
+        ranks.load_optimizer_state(model, optimizer, resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
         torch.set_rng_state(resumed["rng"])
         first_step = resumed["step"]
+    return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published)
+
+
+def train(run_dir: Path, cfg, ranks: Ranks) -> None:
+    """The step loop; only the leader touches the run directory (batches, versions, checkpoints, events)."""
+    leader = ranks.leader
+    events = EventLog(run_dir, "trainer") if leader else None
+    setup = build(run_dir, cfg, ranks, events)
+    model, optimizer, scheduler = setup.model, setup.optimizer, setup.scheduler
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     serving_dtype = getattr(torch, cfg.inference.dtype)
-    served = (
-        weights.cast_state(weights.model_state(model), serving_dtype) if cfg.trainer.publish_patches else None
-    )
-    writer = checkpoint.CheckpointWriter(
-        run_dir, tokenizer, cfg.trainer.keep_checkpoints, cfg.timeouts.checkpoint
-    )
+    state = ranks.full_model_state(model, setup.published)
+    served = weights.cast_state(state, serving_dtype) if cfg.trainer.publish_patches and leader else None
+    writer = checkpoint.CheckpointWriter(run_dir, setup.tokenizer, cfg.trainer.keep_checkpoints,
+                                         cfg.timeouts.checkpoint)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
-    heartbeat = Heartbeat(run_dir, "trainer")  # from here on a silent trainer is a stuck one
-    events.write("trainer_ready", step=first_step)
-    print(
-        f"trainer: {torch.get_num_threads()} threads, "
-        f"objective {cfg.objective.import_path or cfg.objective.name}, "
-        f"steps {first_step}..{cfg.run.steps}",
-        flush=True,
-    )
-    for step in range(first_step, cfg.run.steps):
+    heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
+    if leader:
+        events.write("trainer_ready", step=setup.first_step, ranks=ranks.size)
+        print(f"trainer: {ranks.size} rank(s) x {torch.get_num_threads()} threads, objective "
+              f"{cfg.objective.import_path or cfg.objective.name}, steps {setup.first_step}..{cfg.run.steps}",
+              flush=True)
+    for step in range(setup.first_step, cfg.run.steps):
         t0 = time.monotonic()
         with phases("wait_batch"):
-            path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat)
+            path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat) if leader else None
         with phases("read_batch"):
-            trajs = read_batch(path)
+            trajs = ranks.broadcast(read_batch(path) if leader else None)
         t1 = time.monotonic()
-        with heartbeat.through(cfg.timeouts.step_compute):  # a long step is not a hung one
-            metrics = train_step(
-                model, optimizer, objective, trajs, step, cfg, tokenizer.pad_token_id, ref_model, phases
-            )
+        # (a long step is not a hung one)
+        with heartbeat.through(cfg.timeouts.step_compute) if leader else contextlib.nullcontext():
+            metrics = train_step(model, optimizer, objective, trajs, step, cfg, setup.tokenizer.pad_token_id,
+                                 setup.ref_model, phases, ranks)
         metrics["lr"] = scheduler.get_last_lr()[0]
-        check_finite(model, step, metrics)
+        check_finite(model, step, metrics, ranks)
         scheduler.step()
         t2 = time.monotonic()
         metrics.update(
-            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0,
+            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, ranks=ranks.size,
             train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
             batch_digest=batch_digest([t.id for t in trajs]),
         )
         with phases("publish"):
-            state = weights.model_state(model)
+            state = ranks.full_model_state(model, setup.published)  # (every rank takes part)
             if served is not None:  # the patch lands before the marker that announces the version
                 new = weights.cast_state(state, serving_dtype)
                 patch, changed, total = weights.make_patch(served, new)
@@ -179,29 +212,36 @@ def main(run_dir: str) -> None:
                 metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
             with phases("checkpoint"):
-                metrics["checkpoint_stall_seconds"] = writer.save(step + 1, model, optimizer, scheduler)
-        with phases("publish"):
-            uptime = time.monotonic() - started
-            metrics.update(
-                phases.totals("time/trainer"),
-                **{"time/trainer/uptime": uptime},
-                busy_seconds=uptime - phases.seconds["wait_batch"],
-                idle_seconds=phases.seconds["wait_batch"],
-            )
-            publish_version(run_dir, step + 1, state, metrics, events)
-            # the server may be up to η + 1 versions behind, and must still find the one it serves
-            weights.prune(
-                run_dir, step + 1, max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2)
-            )
-        heartbeat.beat()
-    writer.wait()
-    busy = time.monotonic() - started - phases.seconds["wait_batch"]
-    print(
-        f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, "
-        f"waiting {phases.seconds['wait_batch']:.1f}s, "
-        f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background",
-        flush=True,
-    )
+                trainer_state = {"optimizer": ranks.full_optimizer_state(model, optimizer),
+                                 "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+                if leader:
+                    metrics["checkpoint_stall_seconds"] = writer.save(step + 1, state, model.config.to_dict(),
+                                                                      trainer_state)
+        if leader:
+            finish_version(run_dir, cfg, step, state, metrics, phases, started, events)
+            heartbeat.beat()
+    if leader:
+        writer.wait()
+        busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
+        print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
+              f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
+
+
+def finish_version(run_dir: Path, cfg, step: int, state: dict, metrics: dict, phases: Phases,
+                   started: float, events: EventLog) -> None:
+    """Publish version step + 1 with the step's metrics and the trainer's time so far; prune old versions."""
+    with phases("publish"):
+        uptime = time.monotonic() - started
+        metrics.update(
+            phases.totals("time/trainer"),
+            **{"time/trainer/uptime": uptime},
+            busy_seconds=uptime - phases.seconds["wait_batch"],
+            idle_seconds=phases.seconds["wait_batch"],
+        )
+        publish_version(run_dir, step + 1, state, metrics, events)
+        # the server may be up to η + 1 versions behind, and must still find the one it serves
+        keep = max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2)
+        weights.prune(run_dir, step + 1, keep)
 
 
 if __name__ == "__main__":

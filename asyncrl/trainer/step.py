@@ -13,6 +13,7 @@ from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
 from asyncrl.profile import Phases
 from asyncrl.rewards.tasks import as_number
+from asyncrl.trainer.ranks import Ranks
 from asyncrl.trajectory import Trajectory
 
 
@@ -71,17 +72,17 @@ def length_buckets(lengths: list[int]) -> list[list[int]]:
     return groups[::-1]
 
 
-def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False):
+def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False, buckets: bool = True):
     """(log π(target) per position, entropy per position); temperature as the engine sampled.
 
-    Rows go through the model in length buckets, each cut to its own longest row (no padding
-    compute), and come back in batch order, padded with zeros. The entropy keeps its graph only
-    when a bonus needs its gradient (it costs a [B, T, V] term).
+    Rows go through the model in length buckets (or, without `buckets`, in one call), each cut to its
+    own longest row (no padding compute), and come back in batch order, padded with zeros. The entropy
+    keeps its graph only when a bonus needs its gradient (it costs a [B, T, V] term).
     """
     lengths = batch["attention"].sum(-1).tolist()
     width = batch["tokens"].shape[1] - 1
     logp_parts, entropy_parts, rows = [], [], []
-    for group in length_buckets(lengths):
+    for group in length_buckets(lengths) if buckets else [list(range(len(lengths)))]:
         idx = torch.tensor(group, device=batch["tokens"].device)
         w = int(max(lengths[r] for r in group))
         tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
@@ -135,11 +136,22 @@ def _rows(batch: dict, rows: slice) -> dict:
     return {k: v[rows] for k, v in batch.items()}
 
 
+def group_logprobs(model, batch: dict, temperature: float, ranks: Ranks, entropy_grad: bool = False):
+    """token_logprobs of every row of `batch`, each rank computing its own share and all of them gathered
+    in order (with their gradient). Over several ranks each rank makes one forward call: FSDP gathers the
+    weights in every call, so every rank must make the same number."""
+    n = batch["tokens"].shape[0]
+    logp, entropy = token_logprobs(model, _rows(batch, ranks.rows(n)), temperature, entropy_grad,
+                                   buckets=ranks.size == 1)
+    return ranks.gather_rows(logp, n), ranks.gather_rows(entropy, n)
+
+
 def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
-               ref_model=None, phases: Phases | None = None) -> dict:
+               ref_model=None, phases: Phases | None = None, ranks: Ranks | None = None) -> dict:
     """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics.
-    `phases` accumulates the seconds of collate, recompute, forward_backward, optimizer and metrics."""
-    phases = phases or Phases()
+    `phases` accumulates the seconds of collate, recompute, forward_backward, optimizer and metrics.
+    `ranks`: the trainer's group (asyncrl/trainer/ranks.py); every rank passes the same `trajs`."""
+    phases, ranks = phases or Phases(), ranks or Ranks()
     device = next(model.parameters()).device
     with phases("collate"):
         batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version).items()}
@@ -149,7 +161,7 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     recompute = obj.prox == "recompute" and cfg.trainer.minibatches > 1
     if recompute:  # with a single minibatch the current weights are the proximal policy already
         with phases("recompute"), torch.no_grad():
-            batch["prox"] = token_logprobs(model, batch, temperature)[0]
+            batch["prox"] = group_logprobs(model, batch, temperature, ranks)[0]
     n = len(trajs)
     bounds = [round(i * n / cfg.trainer.minibatches) for i in range(cfg.trainer.minibatches + 1)]
     parts, logp_all, entropy_all = [], [], []
@@ -159,17 +171,18 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
             continue
         mb = _rows(batch, slice(lo, hi))
         with phases("forward_backward"):
-            loss, logp, entropy, obj_metrics = _minibatch_loss(model, objective, mb, cfg, ref_model)
+            own, loss, logp, entropy, obj_metrics = _minibatch_loss(model, objective, mb, cfg, ref_model,
+                                                                    ranks)
             optimizer.zero_grad(set_to_none=True)
-            if not torch.isfinite(loss):  # keep the weights; the step is recorded as skipped
+            if not torch.isfinite(loss):  # keep the weights; every rank records the step as skipped
                 skipped += 1
                 parts.append({"loss": float(loss), **obj_metrics})
                 continue
-            loss.backward()
+            ranks.own_loss(own).backward()
         with phases("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
             _step_with_lr_scale(optimizer, obj_metrics.get("lr_scale", 1.0))
-        parts.append({"loss": float(loss), "grad_norm": float(grad_norm), **obj_metrics})
+        parts.append({"loss": float(loss), "grad_norm": float(_full(grad_norm)), **obj_metrics})
         logp_all.append(logp.detach())
         entropy_all.append(entropy.detach())
     metrics = _average(parts)
@@ -204,10 +217,11 @@ def check_objective(result, objective, logp: torch.Tensor) -> tuple[torch.Tensor
     return loss, metrics
 
 
-def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
-    """(loss, logp, entropy, objective metrics) of one minibatch: forward, objective, KL and entropy terms."""
+def _minibatch_loss(model, objective, mb: dict, cfg, ref_model, ranks: Ranks):
+    """(this rank's part of the loss, with its graph; the whole loss; logp; entropy; objective metrics) of
+    one minibatch: forward, objective, KL and entropy terms. The objective sees every row on every rank."""
     obj, temperature = cfg.objective, cfg.rollout.temperature
-    logp, entropy = token_logprobs(model, mb, temperature, entropy_grad=obj.entropy_coef > 0)
+    logp, entropy = group_logprobs(model, mb, temperature, ranks, entropy_grad=obj.entropy_coef > 0)
     if "prox" in mb:
         prox = mb["prox"]
     elif obj.prox == "loglinear":
@@ -224,14 +238,22 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model):
     per_token, obj_metrics = check_objective(result, objective, logp)
     if ref_model is not None and obj.kl_coef > 0:
         with torch.no_grad():
-            ref = token_logprobs(ref_model, mb, temperature)[0]
+            ref = group_logprobs(ref_model, mb, temperature, ranks)[0]
         kl = kl_penalty(logp, ref, obj.kl_estimator)
         per_token = per_token + obj.kl_coef * kl
         obj_metrics["kl_ref"] = float((kl.detach() * mb["mask"]).sum() / mb["mask"].sum().clamp(min=1))
     if obj.entropy_coef > 0:
         per_token = per_token - obj.entropy_coef * entropy
-    loss = torch.where(mb["mask"] > 0, per_token * mb["weights"], 0.0).sum()
-    return loss, logp, entropy, obj_metrics
+    weighted = torch.where(mb["mask"] > 0, per_token * mb["weights"], 0.0)
+    # each rank's rows: their sum over ranks is the loss, and the gathers carry each part's gradient to
+    # the rank whose forward made it
+    own = weighted[ranks.rows(weighted.shape[0])].sum()
+    return own, ranks.total(own), logp, entropy, obj_metrics
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) result as a plain tensor."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _step_with_lr_scale(optimizer, scale: float) -> None:

@@ -1,0 +1,146 @@
+"""The trainer over several ranks (trainer.ranks, FSDP2 on gloo) computes what one rank computes: the same
+loss, metrics and updated weights on the same batch, for objectives with batch statistics (M2PO's second
+moment, VCPO's effective sample size) and both loss aggregations."""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import job_args
+from test_recovery import assert_nothing_lost
+
+from asyncrl import weights
+from asyncrl.chaos import steps_recorded
+from asyncrl.config import load_config
+from asyncrl.events import read_events
+from asyncrl.launcher import resume
+from asyncrl.model import load_policy
+from asyncrl.objectives import get_objective
+from asyncrl.trainer.ranks import Ranks
+from asyncrl.trainer.step import train_step
+from asyncrl.trajectory import Trajectory
+
+CASES = [("ppo_clip", "token_mean", 1), ("m2po", "seq_mean", 2), ("vcpo", "token_mean", 2),
+         ("decoupled_ppo", "seq_mean", 1)]
+
+
+def batch(vocab: int) -> list[Trajectory]:
+    """Four groups of three samples of different lengths, behaviour logprobs a little off the policy's,
+    tokens of two versions: a step with clipping, staleness and uneven rows."""
+    rng = random.Random(0)
+    trajs = []
+    for g in range(4):
+        reward = [rng.random() for _ in range(3)]
+        for k in range(3):
+            prompt, n = rng.randint(3, 6), rng.randint(4, 14)
+            tokens = [rng.randrange(3, vocab) for _ in range(prompt + n)]
+            adv = reward[k] - sum(reward) / 3
+            trajs.append(Trajectory(
+                f"{g}-{k}", str(g), "t", g, tokens, [0] * prompt + [1] * n,
+                [0.0] * prompt + [-2.5 + rng.uniform(-0.5, 0.5) for _ in range(n)],
+                [-1] * prompt + [rng.choice([2, 3]) for _ in range(n)], reward[k],
+                [0.0] * prompt + [adv] * n))
+    return trajs
+
+
+def steps(model_path: str, ranks: Ranks) -> list[dict]:
+    """For each case: one train_step from the same weights; the metrics and the whole updated weights."""
+    results = []
+    for objective, loss_agg, minibatches in CASES:
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(model_path)
+        published = list(weights.model_state(model))
+        ranks.shard(model, "off")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cfg = load_config(overrides=["--objective.name", objective, "--objective.loss_agg", loss_agg,
+                                     "--trainer.minibatches", str(minibatches), "--objective.m2_threshold",
+                                     "0.01"])
+        metrics = train_step(model, optimizer, get_objective(objective), batch(len(tokenizer)), 3, cfg,
+                             tokenizer.pad_token_id, ranks=ranks)
+        results.append({"metrics": metrics, "state": ranks.full_model_state(model, published)})
+    return results
+
+
+def _rank(rank: int, size: int, port: int, model_path: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        results = steps(model_path, Ranks(rank, size))
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two.pt")
+    mp.spawn(_rank, args=(2, port, tiny_model, out), nprocs=2, join=True)
+    two = torch.load(out, weights_only=False)
+    torch.set_num_threads(1)
+    one = steps(tiny_model, Ranks())
+    initial = weights.model_state(load_policy(tiny_model)[0])
+    for case, a, b in zip(CASES, one, two):
+        assert a["metrics"].keys() == b["metrics"].keys(), case
+        for key, value in a["metrics"].items():
+            assert b["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (case, key)
+        assert a["state"].keys() == b["state"].keys()
+        moved = max(float((a["state"][k] - initial[k]).abs().max()) for k in a["state"])
+        assert moved > 1e-4, case  # the step changed the weights: the comparison below means something
+        for key in a["state"]:
+            torch.testing.assert_close(b["state"][key], a["state"][key], rtol=1e-4, atol=1e-6, msg=str(case))
+
+
+
+def _followers(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in children.read_text().split()] if children.exists() else []
+
+
+@pytest.mark.e2e
+def test_two_ranks_end_to_end_a_dead_rank_and_a_resume_on_one(tiny_model, tmp_path):
+    """trainer.ranks = 2 under the local launcher: rank 1 is SIGKILLed mid-run, the leader stops the group
+    with it, the supervisor restarts the trainer from its checkpoint; the finished run then resumes for
+    four more steps on one rank from the two-rank checkpoint. Nothing lost either time."""
+    run_dir = tmp_path / "runs" / "job"
+    args = job_args(tmp_path, tiny_model, **{"run.steps": 24, "trainer.checkpoint_every": 4,
+                                             "trainer.ranks": 2, "task.eval_size": 0})
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 300
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            pids = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").exists() else {}
+            if steps_recorded(run_dir) >= 6 and _followers(pids["trainer"]):
+                killed = steps_recorded(run_dir)
+                os.kill(_followers(pids["trainer"])[0], signal.SIGKILL)
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert killed is not None and killed < 24
+    assert "trainer: 2 rank(s)" in (run_dir / "logs" / "trainer.log").read_text()
+    events = read_events(run_dir)  # (the leader's collective fails, or its watcher sees the rank die)
+    assert [e["target"] for e in events if e["event"] == "role_restarted"] == ["trainer"]
+    assert [e["ranks"] for e in events if e["event"] == "trainer_ready"] == [2, 2]
+    assert all(e["identical"] for e in events if e["event"] == "version_replayed")
+    assert_nothing_lost(run_dir)
+
+    resume(run_dir, ["--run.steps", "28", "--trainer.ranks", "1"], log=lambda *a, **k: None)
+    assert "trainer: resuming from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert "trainer: 1 rank(s)" in (run_dir / "logs" / "trainer.log").read_text().rsplit("resuming", 1)[1]
+    assert_nothing_lost(run_dir)
