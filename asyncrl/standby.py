@@ -33,7 +33,7 @@ def warm_up(run_dir: Path) -> None:
 
 
 def main(run_dir: str) -> None:
-    from asyncrl.supervisor import ROLES
+    from asyncrl.supervisor import command
 
     warm_up(Path(run_dir))
     print("standby: warm", flush=True)
@@ -47,8 +47,9 @@ def main(run_dir: str) -> None:
     )
     os.dup2(log, 1)
     os.dup2(log, 2)
-    sys.argv = [ROLES[order["role"]], run_dir]
-    runpy.run_module(ROLES[order["role"]], run_name="__main__", alter_sys=True)
+    module, *args = command(order["role"], Path(run_dir))[2:]  # (python -m MODULE ARGS...)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     events = read_events(run_dir)
     restarts = [e["target"] for e in events if e["event"] == "role_restarted"]
     assert sorted(restarts) == sorted(role for role, _ in plan)
+    # the warm spare (run.warm_spare = after_failure) took a dead role's place at least once, and worked
+    spare = (run_dir / "logs" / "standby.log").read_text()
+    assert "standby: warm" in spare and "Traceback" not in spare
     # steps trained after the checkpoint a restarted trainer resumed from are trained again: bit-identically
     assert all(e["identical"] for e in events if e["event"] == "version_replayed")
     assert sum(e["event"] == "inference_recovered" for e in events) >= 2
