@@ -52,14 +52,16 @@ def batch(vocab: int) -> list[Trajectory]:
     return trajs
 
 
-def steps(model_path: str, ranks: Ranks) -> list[dict]:
+def steps(model_path: str, ranks: Ranks, cases=CASES, mixed_precision="off", checkpointing=False) -> list:
     """For each case: one train_step from the same weights; the metrics and the whole updated weights."""
     results = []
-    for objective, loss_agg, minibatches in CASES:
+    for objective, loss_agg, minibatches in cases:
         torch.manual_seed(0)
         model, tokenizer = load_policy(model_path)
         published = list(weights.model_state(model))
-        ranks.shard(model, "off")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ranks.shard(model, mixed_precision)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         cfg = load_config(overrides=["--objective.name", objective, "--objective.loss_agg", loss_agg,
                                      "--trainer.minibatches", str(minibatches), "--objective.m2_threshold",
@@ -76,6 +78,8 @@ def _rank(rank: int, size: int, port: int, model_path: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         results = steps(model_path, Ranks(rank, size))
+        # the options: bf16 compute (fp32 gradient reduction) with activation checkpointing
+        results += steps(model_path, Ranks(rank, size), CASES[:1], mixed_precision="bf16", checkpointing=True)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -92,6 +96,9 @@ def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
     torch.set_num_threads(1)
     one = steps(tiny_model, Ranks())
     initial = weights.model_state(load_policy(tiny_model)[0])
+    bf16 = two.pop()  # near the float32 step, not equal to it
+    assert bf16["metrics"]["loss"] == pytest.approx(one[0]["metrics"]["loss"], rel=0.05)
+    assert all(bool(torch.isfinite(t).all()) for t in bf16["state"].values())
     for case, a, b in zip(CASES, one, two):
         assert a["metrics"].keys() == b["metrics"].keys(), case
         for key, value in a["metrics"].items():

@@ -97,10 +97,10 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
 
 @pytest.mark.timeout(900)
 def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_path, ray_cluster, record):
-    """run.storage set: the trainer runs on node_b too, in <storage>/job, with nothing of the run directory;
-    batches reach it and versions leave it through Ray. Its host actor is killed mid-run: a new host
-    restarts it from the checkpoint in run.storage, the batches it needs are sent again, and the replayed
-    versions are bit-identical."""
+    """run.storage set: the trainer (two ranks) runs on node_b too, in <storage>/job, with nothing of the
+    run directory; batches reach it and versions leave it through Ray. Its host actor is killed mid-run:
+    a new host restarts it from the checkpoint in run.storage, the batches it needs are sent again, and
+    the replayed versions are bit-identical."""
     import ray
 
     run_dir, storage = tmp_path / "runs" / "job", tmp_path / "bucket"
@@ -109,6 +109,7 @@ def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_pa
         "run.launcher": "ray", "run.ray_address": ray_cluster, "run.storage": str(storage),
         "inference.replicas": 1, "inference.ray_resources": "{node_b = 1}",
         "trainer.ray_resources": "{node_b = 1}", "trainer.publish_patches": True, "run.steps": steps,
+        "trainer.ranks": 2,
         "task.eval_every": steps, "trainer.checkpoint_every": 8})
     killed_at = None
     try:
@@ -133,7 +134,8 @@ def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_pa
     assert any(e["event"] == "trainer_resumed" for e in events)
     replayed = [e["identical"] for e in events if e["event"] == "version_replayed"]
     assert replayed and all(replayed)
-    assert "trainer: resuming from" in (run_dir / "logs" / "trainer.log").read_text()
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "trainer: resuming from" in log and "trainer: 2 rank(s)" in log
     assert_nothing_lost(run_dir)
 
 
