@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scale import model_20m  # (benchmarks/scale.py: the same ~20M policy)
 
 from asyncrl import weights
 from asyncrl.config import load_config
-from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
+from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
@@ -98,14 +99,6 @@ def run(model_path: str, size: int, steps: int, rows: int) -> dict:
         result = json.loads(Path(out).read_text())
     print(result, flush=True)
     return {"model": Path(model_path).name, **result}
-
-
-def model_20m(directory: Path) -> str:
-    if not (directory / "config.json").exists():
-        tok = build_char_tokenizer()
-        build_tiny_model(tok, hidden_size=448, layers=6, heads=7, seed=0).save_pretrained(directory)
-        tok.save_pretrained(directory)
-    return str(directory)
 
 
 def main() -> None:
