@@ -115,23 +115,33 @@ def chatml_corpus(texts: Iterable[str], weight: int = 200) -> Iterable[str]:
 
 # --- architectures ----------------------------------------------------------------------------
 def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: int = 4, seed: int = 0,
-                     architecture: str = "llama", kv_heads: int | None = None):
-    """A freshly initialised causal LM: "qwen3" (GQA with `kv_heads`, q/k RMS norms) or "llama"."""
+                     architecture: str = "llama", kv_heads: int | None = None, tied: bool = True):
+    """A freshly initialised causal LM: "qwen3" (q/k RMS norms), "qwen2" (q/k/v biases) or "llama";
+    grouped-query attention with `kv_heads` < `heads`; the output layer tied to the embedding or not."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tied,
     )
     if architecture == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=hidden_size // heads, **common))
+    if architecture == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
     if architecture == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
-    raise ValueError(f"architecture {architecture!r} is not one of qwen3, llama")
+    raise ValueError(f"architecture {architecture!r} is not one of qwen3, qwen2, llama")
 
 
 def load_policy(path: str | Path):

@@ -66,7 +66,7 @@ class WarmstartConfig(Section):
     vocab_size: int = Field(
         512, ge=300, description="bpe: at most this many tokens (256 bytes + merges + specials)"
     )
-    architecture: Literal["qwen3", "llama"] = "qwen3"
+    architecture: Literal["qwen3", "qwen2", "llama"] = "qwen3"
     hidden_size: int = Field(128, ge=8)
     layers: int = Field(4, ge=1)
     heads: int = Field(4, ge=1)
