@@ -3,14 +3,10 @@ Qwen3 (q/k norms, grouped-query attention, tied embeddings), Qwen2 (q/k/v biases
 (multi-head, untied). For each: a save / load round trip, the built-in engine's sampled logprobs against
 the trainer's forward, a trainer step on 2 ranks against 1, and a checkpoint exported as a plain Hugging
 Face directory."""
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_ranks import CASES, steps
+from test_ranks import CASES, on_two_ranks, steps
 from transformers import AutoModelForCausalLM
 
 from asyncrl import checkpoint, weights
@@ -75,28 +71,12 @@ def test_round_trip_engine_logprobs_and_export(policies, name, tmp_path):
     assert weights.state_hash(weights.model_state(exported)) == weights.state_hash(published)
 
 
-def _rank(rank: int, port: int, paths: list[str], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        results = [steps(path, Ranks(rank, 2), CASES[:1]) for path in paths]
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_each_architecture_trains_on_two_ranks_as_on_one(policies, tmp_path):
     """FSDP2 wraps each architecture's decoder blocks; the 2-rank step equals the 1-rank one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     paths = [policies[name] for name in ARCHITECTURES]
-    out = str(tmp_path / "two.pt")
-    mp.spawn(_rank, args=(port, paths, out), nprocs=2, join=True)
+    results = on_two_ranks(tmp_path, [(path, CASES[:1]) for path in paths])
     torch.set_num_threads(1)
-    for name, path, [two] in zip(ARCHITECTURES, paths, torch.load(out, weights_only=False)):
+    for name, path, [two] in zip(ARCHITECTURES, paths, results):
         [one] = steps(path, Ranks(), CASES[:1])
         assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-4, abs=1e-6), name
         assert one["state"].keys() == two["state"].keys(), name

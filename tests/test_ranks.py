@@ -72,14 +72,22 @@ def steps(model_path: str, ranks: Ranks, cases=CASES, mixed_precision="off", che
     return results
 
 
-def _rank(rank: int, size: int, port: int, model_path: str, out: str) -> None:
+def on_two_ranks(tmp_path, jobs: list[tuple]) -> list:
+    """`steps(path, ranks, *options)` for each job (path, *options) on a group of 2 gloo ranks; rank 0's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "two_ranks.pt")
+    mp.spawn(_rank, args=(port, jobs, out), nprocs=2, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def _rank(rank: int, port: int, jobs: list[tuple], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=size)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        results = steps(model_path, Ranks(rank, size))
-        # the options: bf16 compute (fp32 gradient reduction) with activation checkpointing
-        results += steps(model_path, Ranks(rank, size), CASES[:1], mixed_precision="bf16", checkpointing=True)
+        results = [steps(path, Ranks(rank, 2), *options) for path, *options in jobs]
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -87,16 +95,12 @@ def _rank(rank: int, size: int, port: int, model_path: str, out: str) -> None:
 
 
 def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "two.pt")
-    mp.spawn(_rank, args=(2, port, tiny_model, out), nprocs=2, join=True)
-    two = torch.load(out, weights_only=False)
+    # and the options: bf16 compute (fp32 gradient reduction) with activation checkpointing
+    two, [bf16] = on_two_ranks(tmp_path, [(tiny_model,), (tiny_model, CASES[:1], "bf16", True)])
     torch.set_num_threads(1)
     one = steps(tiny_model, Ranks())
     initial = weights.model_state(load_policy(tiny_model)[0])
-    bf16 = two.pop()  # near the float32 step, not equal to it
+    # bf16: near the float32 step, not equal to it
     assert bf16["metrics"]["loss"] == pytest.approx(one[0]["metrics"]["loss"], rel=0.05)
     assert all(bool(torch.isfinite(t).all()) for t in bf16["state"].values())
     for case, a, b in zip(CASES, one, two):
@@ -108,7 +112,6 @@ def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
         assert moved > 1e-4, case  # the step changed the weights: the comparison below means something
         for key in a["state"]:
             torch.testing.assert_close(b["state"][key], a["state"][key], rtol=1e-4, atol=1e-6, msg=str(case))
-
 
 
 def _followers(pid: int) -> list[int]:
