@@ -37,6 +37,23 @@ def storage_dir(run_dir: str | Path) -> Path:
     return Path(run["storage"]) / run["name"] if run.get("storage") else Path(run_dir)
 
 
+def check_storage(path: Path, overwrite: bool, where: str = "") -> bool:
+    """Whether a new run may take <run.storage>/<run.name>: False if it is empty or absent, True if it holds
+    an earlier asyncrl run's that --run.overwrite lets it delete; else ConfigError. (The launcher asks
+    where the driver sees the path, the trainer's Ray host on its own node: `where` names that node.)"""
+    from asyncrl.config import ConfigError
+
+    if not path.exists() or not any(path.iterdir()):
+        return False
+    if not overwrite:
+        raise ConfigError(f"run.storage: {path}{where} already holds a run's checkpoints; choose another "
+                          "--run.name or --run.storage, or pass --run.overwrite true")
+    if not {"checkpoints", "config.json"} & {p.name for p in path.iterdir()}:
+        raise ConfigError(f"--run.overwrite: {path}{where} (run.storage) holds no asyncrl checkpoints or "
+                          "trainer directory; refusing to delete it")
+    return True
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return storage_dir(run_dir) / "checkpoints"
 

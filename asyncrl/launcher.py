@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from asyncrl.access import ensure_token
+from asyncrl.checkpoint import check_storage
 from asyncrl.config import (
     Config,
     ConfigError,
@@ -43,14 +44,8 @@ def check_run_dir(cfg: Config) -> None:
         if any(run_dir.iterdir()) and not is_run_dir(run_dir):
             raise ConfigError(f"--run.overwrite: {run_dir} is not an asyncrl run directory (it has no run "
                               "config.json); refusing to delete it")
-    kept = trainer_storage(cfg)
-    if kept is not None and kept.exists() and any(kept.iterdir()):
-        if not cfg.run.overwrite:
-            raise ConfigError(f"run.storage: {kept} already holds a run's checkpoints; choose another "
-                              "--run.name or --run.storage, or pass --run.overwrite true")
-        if not {"checkpoints", "config.json"} & {p.name for p in kept.iterdir()}:
-            raise ConfigError(f"--run.overwrite: {kept} (run.storage) holds no asyncrl checkpoints or "
-                              "trainer directory; refusing to delete it")
+    if trainer_storage(cfg) is not None:
+        check_storage(trainer_storage(cfg), cfg.run.overwrite)
 
 
 def trainer_storage(cfg: Config) -> Path | None:

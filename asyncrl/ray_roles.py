@@ -336,15 +336,12 @@ def _sha256(data: bytes) -> str:
 
 
 def _claim(path: Path, fresh: bool, overwrite: bool) -> None:
-    """The trainer's directory in run.storage: a new run finds it empty, or deletes it when told to (the
-    launcher checks the same where the driver sees the path; this host checks it on the trainer's node)."""
-    if not fresh or not path.exists() or not any(path.iterdir()):
-        return
-    if not overwrite:
-        raise ConfigError(f"run.storage: {path} already holds a run's trainer directory (on node "
-                          f"{socket.gethostname()}); choose another --run.name or --run.storage, or pass "
-                          "--run.overwrite true")
-    shutil.rmtree(path)
+    """The trainer's directory in run.storage, on this node: a new run finds it empty, or deletes an earlier
+    run's when told to (asyncrl/checkpoint.py: check_storage)."""
+    from asyncrl.checkpoint import check_storage
+
+    if fresh and check_storage(path, overwrite, f" (on node {socket.gethostname()})"):
+        shutil.rmtree(path)
 
 
 def _connect(cfg: Config, log) -> None:

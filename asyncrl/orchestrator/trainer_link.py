@@ -38,6 +38,7 @@ class FileLink:
 
     def __init__(self, cfg, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
+        self.root = checkpoint.checkpoints_dir(run_dir)  # (run.storage, read from the config once)
 
     async def start(self, committed_through: int) -> None:
         pass
@@ -57,13 +58,13 @@ class FileLink:
         return weights.read_marker(self.run_dir, version)
 
     async def checkpoints(self, verify: bool = False) -> list[int]:
-        return checkpoint.valid_steps(checkpoint.checkpoints_dir(self.run_dir), verify=verify)
+        return checkpoint.valid_steps(self.root, verify=verify)
 
     async def copy_events(self, ledger) -> None:
         pass  # (the trainer writes them into the run's events.jsonl)
 
     def where(self) -> str:
-        return str(checkpoint.checkpoints_dir(self.run_dir))
+        return str(self.root)
 
 
 class RayLink:
@@ -74,6 +75,7 @@ class RayLink:
         self.host, self.host_id = None, None
         self.info: dict = {}
         self.confirmed: set[int] = set()  # batches the current host holds
+        self.behind = True  # a batch may be missing on the host: a new host, or a delivery that failed
         self.committed_through = 0  # batches before it are trained for good: never sent again
 
     # --- the trainer's host ---------------------------------------------------------------------
@@ -92,7 +94,7 @@ class RayLink:
                 self.host = self.ray.get_actor(info["actor"], namespace=info["namespace"])
             except ValueError:  # gone already: the supervisor is starting another
                 return None
-            self.host_id, self.info, self.confirmed = info["host"], info, set()
+            self.host_id, self.info, self.confirmed, self.behind = info["host"], info, set(), True
         return self.host
 
     async def _ask(self, call, timeout: float):
@@ -115,14 +117,22 @@ class RayLink:
     async def deliver(self, step: int) -> None:
         host = self._current()
         if host is None:
-            return  # (sent once the new host is up: _send_missing)
+            self.behind = True  # (sent once the new host is up: _send_missing)
+            return
         data = await asyncio.to_thread(batch_path(self.run_dir, step).read_bytes)
         ref = self.ray.put(data)
         digest = hashlib.sha256(data).hexdigest()
         if await self._ask(lambda: host.receive_batch.remote(step, [ref], digest), self.cfg.timeouts.batch):
             self.confirmed.add(step)
+        else:
+            self.behind = True
 
     async def _send_missing(self) -> None:
+        """Every batch from the last durable checkpoint on that the current host has not confirmed (a look
+        at the batch files only after a host change or a failed delivery, not with every version)."""
+        if not self.behind:
+            return
+        self.behind = False
         for path in sorted(batch_path(self.run_dir, 0).parent.glob("step_*.jsonl")):
             step = int(path.stem.removeprefix("step_"))
             if step >= self.committed_through and step not in self.confirmed:
