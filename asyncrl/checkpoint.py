@@ -45,12 +45,13 @@ def check_storage(path: Path, overwrite: bool, where: str = "") -> bool:
 
     if not path.exists() or not any(path.iterdir()):
         return False
+    if not {"checkpoints", "config.json"} & {p.name for p in path.iterdir()}:
+        raise ConfigError(f"run.storage: {path}{where} holds files but no asyncrl checkpoints or trainer "
+                          "directory; asyncrl neither writes into it nor deletes it: choose another "
+                          "--run.name or --run.storage")
     if not overwrite:
         raise ConfigError(f"run.storage: {path}{where} already holds a run's checkpoints; choose another "
                           "--run.name or --run.storage, or pass --run.overwrite true")
-    if not {"checkpoints", "config.json"} & {p.name for p in path.iterdir()}:
-        raise ConfigError(f"--run.overwrite: {path}{where} (run.storage) holds no asyncrl checkpoints or "
-                          "trainer directory; refusing to delete it")
     return True
 
 
