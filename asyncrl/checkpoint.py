@@ -3,13 +3,18 @@
 `checkpoints/step_000040/` holds everything needed to continue after 40 trained steps, and is
 itself a plain Hugging Face model directory (config.json, model.safetensors, tokenizer files):
 
-    model.safetensors, config.json, tokenizer*   the policy after `step` updates
-    trainer_state.pt                             optimizer, scheduler, RNG, step
+    model.safetensors, config.json, tokenizer*   the policy after `step` updates (whole, from rank 0)
+    optimizer/                                   AdamW's moments: a torch.distributed.checkpoint (DCP)
+                                                 directory, one file per trainer rank holding its shard
+    trainer_state.pt                             scheduler, RNG, step
     manifest.json                                step + sha256 of every other file; written last
 
-Saving copies the state to host memory (the only time training waits), then a thread writes a
-hidden temp directory, fsyncs it and renames it into place: a checkpoint exists completely or
-not at all. A checkpoint whose files do not match its manifest is skipped for the one before it.
+Saving copies the state to host memory (the only time training waits), then a thread on every rank
+writes its optimizer shard into a hidden temp directory (DCP, over a process group of its own so that
+it never interleaves with training's collectives), and rank 0's thread adds the model, fsyncs it all
+and renames it into place: a checkpoint exists completely or not at all. A checkpoint whose files do
+not match its manifest is skipped for the one before it. DCP reshards on load, so a checkpoint written
+by M ranks resumes under any other number: the optimizer is never gathered whole in one process.
 """
 from __future__ import annotations
 
@@ -19,12 +24,18 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from asyncrl import weights
+
+# DCP says so on every save and load of one process (trainer.ranks = 1), which is intended here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
 def storage_dir(run_dir: str | Path) -> Path:
@@ -86,33 +97,80 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def parts(model, optimizer, scheduler) -> tuple[dict, dict, dict]:
+def optimizer_state(model, optimizer) -> dict:
+    """The optimizer's state keyed by parameter name; under FSDP each rank's shard of it (DTensors)."""
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def load_optimizer(path: Path, model, optimizer, group=None) -> None:
+    """A checkpoint's optimizer into this rank's optimizer, resharded to today's ranks (DCP reads each
+    rank's part of every moment whatever the rank count that wrote it). `group`: the ranks' process group
+    (None: one process)."""
+    if not (path / "optimizer").exists():
+        return _load_whole_optimizer(path, model, optimizer, group)
+    state = optimizer_state(model, optimizer)  # the shapes and placements to fill (moments initialised)
+    dcp.load({"optimizer": state}, checkpoint_id=str(path / "optimizer"), process_group=group,
+             no_dist=group is None)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+
+
+def _load_whole_optimizer(path: Path, model, optimizer, group) -> None:
+    """A checkpoint from before DCP: the whole optimizer inside trainer_state.pt, for one process."""
+    if group is not None:
+        raise ValueError(f"{path} keeps its optimizer whole in trainer_state.pt (written before sharded "
+                         "checkpoints): resume it with trainer.ranks = 1; its next checkpoint "
+                         "resumes under any rank count")
+    state = load_trainer_state(path)["optimizer"]
+    if all(isinstance(k, int) for k in state["state"]):  # keyed by position (before trainer ranks)
+        optimizer.load_state_dict(state)
+    else:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+
+
+def parts(model, optimizer, scheduler) -> tuple[dict, dict, dict, dict]:
     """CheckpointWriter.save's arguments for a model in one process (tests, benchmarks; the trainer builds
     them across its ranks)."""
-    trainer = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-               "rng": torch.get_rng_state()}
-    return weights.model_state(model), model.config.to_dict(), trainer
+    trainer = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+    return weights.model_state(model), model.config.to_dict(), trainer, optimizer_state(model, optimizer)
 
 
 class CheckpointWriter:
-    """At most one checkpoint in flight; `save` returns after the host copy, `wait` after the rename."""
+    """At most one checkpoint in flight; `save` returns after the host copy, `wait` after the rename.
 
-    def __init__(self, run_dir: str | Path, tokenizer, keep: int, deadline: float):
+    Every rank of the trainer has one and calls `save` at the same step: `ranks` gives its place and the
+    process group its optimizer shards are written over (None: one process, rank 0)."""
+
+    def __init__(self, run_dir: str | Path, tokenizer, keep: int, deadline: float, ranks=None):
         self.root = checkpoints_dir(run_dir)
         self.tokenizer, self.keep, self.deadline = tokenizer, keep, deadline
+        self.ranks = ranks
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.write_seconds: list[float] = []
 
-    def save(self, step: int, model_state: dict, model_config: dict, trainer_state: dict) -> float:
-        """Snapshot now (the published weights, the model's config, the optimizer, scheduler and RNG
-        states), write in the background; returns the seconds training was stalled."""
+    @property
+    def leader(self) -> bool:
+        return self.ranks is None or self.ranks.leader
+
+    def save(self, step: int, model_state: dict, model_config: dict, trainer_state: dict,
+             optimizer: dict) -> float:
+        """Snapshot now (the published weights and the model's config, the scheduler and RNG states — read
+        on rank 0 only — and this rank's optimizer shard), write in the background; returns the seconds
+        training was stalled."""
         start = time.monotonic()
         self.wait()  # the previous one must be on disk before its successor is started
-        snapshot = {"model": _to_host(model_state), "config": model_config,
-                    "trainer": _to_host({"step": step, **trainer_state})}
+        tmp = self.root / f".tmp_step_{step:06d}"
+        if self.leader:  # a fresh temp directory (a crash may have left one), before any rank writes in it
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if self.ranks is not None:
+            self.ranks.barrier()
+        snapshot = {"optimizer": _to_host(optimizer)}
+        if self.leader:
+            snapshot.update(model=_to_host(model_state), config=model_config,
+                            trainer=_to_host({"step": step, **trainer_state}))
         self.thread = threading.Thread(
-            target=self._write, args=(step, snapshot), daemon=True, name="checkpoint"
+            target=self._write, args=(step, tmp, snapshot), daemon=True, name="checkpoint"
         )
         self.thread.start()
         return time.monotonic() - start
@@ -127,22 +185,26 @@ class CheckpointWriter:
         if self.error is not None:
             raise RuntimeError(f"trainer: writing a checkpoint failed: {self.error}") from self.error
 
-    def _write(self, step: int, snapshot: dict) -> None:
+    def _write(self, step: int, tmp: Path, snapshot: dict) -> None:
         try:
             start = time.monotonic()
+            group = self.ranks.checkpoint_group if self.ranks is not None else None
+            # returns on every rank once all shards and DCP's metadata are written
+            dcp.save({"optimizer": snapshot["optimizer"]}, checkpoint_id=str(tmp / "optimizer"),
+                     process_group=group, no_dist=group is None)
+            if not self.leader:
+                return
             final = self.root / f"step_{step:06d}"
-            tmp = self.root / f".tmp_step_{step:06d}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
             save_file(snapshot["model"], str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(snapshot["config"], indent=2))
             self.tokenizer.save_pretrained(tmp)
             torch.save(snapshot["trainer"], tmp / "trainer_state.pt")
-            files = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+            files = {str(f.relative_to(tmp)): _sha256(f) for f in _files(tmp)}
             (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}))
-            for f in tmp.iterdir():
+            for f in _files(tmp):
                 with open(f, "rb+") as handle:
                     os.fsync(handle.fileno())
+            _fsync_dir(tmp / "optimizer")
             shutil.rmtree(final, ignore_errors=True)  # a replayed step rewrites its checkpoint
             os.replace(tmp, final)
             _fsync_dir(self.root)
@@ -151,6 +213,10 @@ class CheckpointWriter:
             self.write_seconds.append(time.monotonic() - start)
         except BaseException as e:  # reported by the next save() or wait() on the training thread
             self.error = e
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(f for f in root.rglob("*") if f.is_file())
 
 
 def valid_steps(root: Path, verify: bool = True) -> list[int]:
@@ -206,6 +272,6 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for f in path.iterdir():
-        if f.name not in ("trainer_state.pt", "manifest.json"):
+        if f.is_file() and f.name not in ("trainer_state.pt", "manifest.json"):
             shutil.copy2(f, out / f.name)
     return out

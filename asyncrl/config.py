@@ -243,7 +243,7 @@ RESUMABLE_KEYS = (
     "trainer.keep_checkpoints",
     "trainer.keep_weight_versions",
     "trainer.threads",
-    "trainer.ranks",  # (a checkpoint holds whole states: any rank count resumes it)
+    "trainer.ranks",  # (DCP reshards a checkpoint's optimizer to any rank count)
     "trainer.activation_checkpointing",
     "trainer.device",
     "inference.host",

@@ -6,7 +6,7 @@ Face directory."""
 
 import pytest
 import torch
-from test_ranks import CASES, on_two_ranks, steps
+from test_ranks import CASES, jobs_of_steps, on_two_ranks, steps
 from transformers import AutoModelForCausalLM
 
 from asyncrl import checkpoint, weights
@@ -74,7 +74,7 @@ def test_round_trip_engine_logprobs_and_export(policies, name, tmp_path):
 def test_each_architecture_trains_on_two_ranks_as_on_one(policies, tmp_path):
     """FSDP2 wraps each architecture's decoder blocks; the 2-rank step equals the 1-rank one."""
     paths = [policies[name] for name in ARCHITECTURES]
-    results = on_two_ranks(tmp_path, [(path, CASES[:1]) for path in paths])
+    results = on_two_ranks(tmp_path, jobs_of_steps, [(path, CASES[:1]) for path in paths])
     torch.set_num_threads(1)
     for name, path, [two] in zip(ARCHITECTURES, paths, results):
         [one] = steps(path, Ranks(), CASES[:1])

@@ -32,9 +32,11 @@ def test_background_checkpoint_restores_exactly_while_training_goes_on(tiny_mode
     assert path.name == "step_000001" and checkpoint.verify_checkpoint(path) is None
     restored, _ = load_policy(str(path))
     assert weights.state_hash(weights.model_state(restored)) == saved_hash
-    state = checkpoint.load_trainer_state(path)
-    assert state["step"] == 1
-    for k, v in state["optimizer"]["state"].items():
+    assert checkpoint.load_trainer_state(path)["step"] == 1
+    fresh, _ = load_policy(str(path))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    checkpoint.load_optimizer(path, fresh, fresh_optimizer)
+    for k, v in fresh_optimizer.state_dict()["state"].items():
         assert torch.equal(v["exp_avg"], saved_moment[k])
 
 

@@ -1,6 +1,7 @@
 """The trainer over several ranks (trainer.ranks, FSDP2 on gloo) computes what one rank computes: the same
 loss, metrics and updated weights on the same batch, for objectives with batch statistics (M2PO's second
 moment, VCPO's effective sample size) and both loss aggregations."""
+import copy
 import json
 import os
 import random
@@ -17,8 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import job_args
 from test_recovery import assert_nothing_lost
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from asyncrl import weights
+from asyncrl import checkpoint, weights
 from asyncrl.chaos import steps_recorded
 from asyncrl.config import load_config
 from asyncrl.events import read_events
@@ -72,31 +74,38 @@ def steps(model_path: str, ranks: Ranks, cases=CASES, mixed_precision="off", che
     return results
 
 
-def on_two_ranks(tmp_path, jobs: list[tuple]) -> list:
-    """`steps(path, ranks, *options)` for each job (path, *options) on a group of 2 gloo ranks; rank 0's."""
+def jobs_of_steps(ranks: Ranks, jobs: list[tuple]) -> list:
+    """`steps(path, ranks, *options)` for each job (path, *options)."""
+    return [steps(path, ranks, *options) for path, *options in jobs]
+
+
+def on_two_ranks(tmp_path, fn, *args):
+    """`fn(ranks, *args)` on each rank of a group of 2 gloo ranks (fn: a module-level function); rank 0's
+    result."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "two_ranks.pt")
-    mp.spawn(_rank, args=(port, jobs, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(port, fn, args, out), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 
 
-def _rank(rank: int, port: int, jobs: list[tuple], out: str) -> None:
+def _rank(rank: int, port: int, fn, args: tuple, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        results = [steps(path, Ranks(rank, 2), *options) for path, *options in jobs]
+        result = fn(Ranks(rank, 2, dist.new_group(backend="gloo")), *args)
         if rank == 0:
-            torch.save(results, out)
+            torch.save(result, out)
     finally:
         dist.destroy_process_group()
 
 
 def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
     # and the options: bf16 compute (fp32 gradient reduction) with activation checkpointing
-    two, [bf16] = on_two_ranks(tmp_path, [(tiny_model,), (tiny_model, CASES[:1], "bf16", True)])
+    jobs = [(tiny_model,), (tiny_model, CASES[:1], "bf16", True)]
+    two, [bf16] = on_two_ranks(tmp_path, jobs_of_steps, jobs)
     torch.set_num_threads(1)
     one = steps(tiny_model, Ranks())
     initial = weights.model_state(load_policy(tiny_model)[0])
@@ -112,6 +121,53 @@ def test_two_ranks_train_what_one_rank_trains(tiny_model, tmp_path):
         assert moved > 1e-4, case  # the step changed the weights: the comparison below means something
         for key in a["state"]:
             torch.testing.assert_close(b["state"][key], a["state"][key], rtol=1e-4, atol=1e-6, msg=str(case))
+
+
+def step_and_checkpoint(ranks: Ranks, model_path: str, run_dir: Path, step: int) -> dict:
+    """Resume from the run's newest checkpoint if any (its optimizer resharded to these ranks), train one
+    step, write a checkpoint; the whole optimizer state after the load and after the step."""
+    model, tokenizer = load_policy(str(checkpoint.latest(run_dir) or model_path))
+    published = list(weights.model_state(model))
+    ranks.shard(model, "off")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=ranks.size > 1)
+    loaded = None
+    if checkpoint.latest(run_dir) is not None:
+        checkpoint.load_optimizer(checkpoint.latest(run_dir), model, optimizer, ranks.checkpoint_group)
+        loaded = copy.deepcopy(get_optimizer_state_dict(model, optimizer, options=full))  # (steps change it)
+    cfg = load_config()
+    train_step(model, optimizer, get_objective("ppo_clip"), batch(len(tokenizer)), step, cfg,
+               tokenizer.pad_token_id, ranks=ranks)
+    state = ranks.full_model_state(model, published)
+    writer = checkpoint.CheckpointWriter(run_dir, tokenizer, keep=3, deadline=60, ranks=ranks)
+    writer.save(step + 1, state, model.config.to_dict(), {"rng": torch.get_rng_state()},
+                checkpoint.optimizer_state(model, optimizer))
+    writer.wait()
+    return {"loaded": loaded, "trained": get_optimizer_state_dict(model, optimizer, options=full)}
+
+
+def assert_same_optimizer(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys() and len(a["state"]) > 0
+    for name, moments in a["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][name][key])), (name, key)
+    assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
+
+
+def test_checkpoints_reshard_between_one_and_two_ranks(tiny_model, tmp_path):
+    """A checkpoint written by 2 ranks (each its shard of the optimizer, DCP) resumes on 1 with every moment
+    exact, and one written by 1 rank resumes on 2."""
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    two = on_two_ranks(tmp_path, step_and_checkpoint, tiny_model, run, 0)
+    shards = sorted(p.name for p in (run / "checkpoints" / "step_000001" / "optimizer").glob("*.distcp"))
+    assert len(shards) == 2, shards  # each rank wrote its own shard; nothing gathered the optimizer whole
+    assert checkpoint.verify_checkpoint(run / "checkpoints" / "step_000001") is None
+    one = step_and_checkpoint(Ranks(), tiny_model, run, 1)  # resumes the 2-rank checkpoint on 1 rank
+    assert_same_optimizer(one["loaded"], two["trained"])
+    again = on_two_ranks(tmp_path, step_and_checkpoint, tiny_model, run, 2)  # the 1-rank one on 2
+    assert_same_optimizer(again["loaded"], one["trained"])
+    assert checkpoint.valid_steps(run / "checkpoints") == [1, 2, 3]
 
 
 def _followers(pid: int) -> list[int]:

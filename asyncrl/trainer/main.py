@@ -78,7 +78,7 @@ def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
     model, tokenizer = load_policy(str(path) if path else cfg.model.path)
     if path is None:
         return model, tokenizer, None
-    state = checkpoint.load_trainer_state(path)
+    state = {"path": path, **checkpoint.load_trainer_state(path)}
     if ranks.leader:
         print(f"trainer: resuming from {path} (step {state['step']})", flush=True)
         events.write("trainer_resumed", checkpoint=str(path), step=state["step"])
@@ -156,7 +156,7 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     first_step = 0
     if resumed is not None:
-        ranks.load_optimizer_state(model, optimizer, resumed["optimizer"])
+        checkpoint.load_optimizer(resumed["path"], model, optimizer, ranks.checkpoint_group)
         scheduler.load_state_dict(resumed["scheduler"])
         torch.set_rng_state(resumed["rng"])
         first_step = resumed["step"]
@@ -174,7 +174,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     state = ranks.full_model_state(model, setup.published)
     served = weights.cast_state(state, serving_dtype) if cfg.trainer.publish_patches and leader else None
     writer = checkpoint.CheckpointWriter(run_dir, setup.tokenizer, cfg.trainer.keep_checkpoints,
-                                         cfg.timeouts.checkpoint)
+                                         cfg.timeouts.checkpoint, ranks)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
     if leader:
@@ -212,16 +212,15 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                 metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
             with phases("checkpoint"):
-                trainer_state = {"optimizer": ranks.full_optimizer_state(model, optimizer),
-                                 "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
-                if leader:
-                    metrics["checkpoint_stall_seconds"] = writer.save(step + 1, state, model.config.to_dict(),
-                                                                      trainer_state)
+                trainer_state = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+                metrics["checkpoint_stall_seconds"] = writer.save(
+                    step + 1, state, model.config.to_dict(), trainer_state,
+                    checkpoint.optimizer_state(model, optimizer))
         if leader:
             finish_version(run_dir, cfg, step, state, metrics, phases, started, events)
             heartbeat.beat()
+    writer.wait()
     if leader:
-        writer.wait()
         busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
         print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
               f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)

@@ -33,8 +33,9 @@ RANK_ENV = "ASYNCRL_TRAINER_RANK"
 
 
 class Ranks:
-    def __init__(self, rank: int = 0, size: int = 1):
+    def __init__(self, rank: int = 0, size: int = 1, checkpoint_group=None):
         self.rank, self.size = rank, size
+        self.checkpoint_group = checkpoint_group  # checkpoints are written over their own group (a thread)
 
     @property
     def leader(self) -> bool:
@@ -75,6 +76,10 @@ class Ranks:
     def all(self, flag: bool) -> bool:
         return bool(self.total(torch.tensor(0.0 if flag else 1.0)) == 0)
 
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
     def broadcast(self, obj):
         """The leader's `obj` on every rank."""
         if self.size == 1:
@@ -99,7 +104,7 @@ class Ranks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
 
-    # --- whole states, for publishing and checkpoints (one full copy, on the leader) -------------------
+    # --- the whole weights, for publishing and checkpoints (one full copy, on the leader) -------------
     def full_model_state(self, model, keys: list[str] | None) -> dict[str, torch.Tensor]:
         """The weights to publish, on the leader ({} on the others); `keys`: those of the unsharded
         model's published state (tied weights once)."""
@@ -111,27 +116,6 @@ class Ranks:
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: state[k].contiguous() for k in keys} if self.leader else {}
-
-    def full_optimizer_state(self, model, optimizer) -> dict:
-        """The optimizer's state keyed by parameter name, whole (on the leader): a checkpoint of any rank
-        count resumes under any other."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=self.size > 1)
-        return get_optimizer_state_dict(model, optimizer, options=options)
-
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """A whole state (every rank read the checkpoint) into this rank's shard of the optimizer."""
-        if all(isinstance(k, int) for k in state["state"]):  # keyed by position: a checkpoint before ranks
-            if self.size > 1:
-                raise ValueError("trainer.ranks > 1 cannot resume a checkpoint written before trainer ranks "
-                                 "existed (its optimizer state is keyed by position): resume with ranks = 1")
-            optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True) if self.size > 1 else None
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
@@ -163,7 +147,8 @@ def join_group(cfg, run_dir: Path, log=print) -> Ranks:
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout)
-    return Ranks(rank, size)
+    checkpoints = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeouts.checkpoint))
+    return Ranks(rank, size, checkpoints)
 
 
 def _free_port() -> int:
