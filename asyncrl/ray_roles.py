@@ -1,21 +1,20 @@
 """run.launcher = "ray": the trainer and the inference replicas run inside Ray actors.
 
-Each such role gets a `RoleHost` actor, placed in a bundle of the run's placement group (placing is
-waited on with run.ray_placement_timeout: a group the cluster cannot place would wait forever). The
-host starts the role as the same process the local launcher starts, bound to the host's life, and
-answers the supervisor's questions about it (exit code, heartbeat age, last log lines), so the
-supervisor treats local and remote roles alike. The trainer's bundle asks for the driver's node: it
-reads and writes the run directory there. A replica gets a scratch directory of its own on whatever
-node it lands, holding only its config and token: its weights arrive through Ray's object store
-(`RoleHost.stage`, fed by asyncrl/orchestrator/staging.py), and its URL comes back to the run directory
-through the supervisor. The orchestrator stays a local process and the ledger's only writer.
+Each such role gets a `RoleHost` actor (asyncrl/ray_host.py), placed in a bundle of the run's placement
+group (placing is waited on with run.ray_placement_timeout: a group the cluster cannot place would wait
+forever); a trainer of M ranks gets M bundles, one per rank. `RemoteRole` gives the supervisor the part
+of a local process's interface it uses, so it treats local and remote roles alike. Without run.storage
+the trainer's bundles ask for the driver's node: it reads and writes the run directory there; with it,
+the trainer lives in <run.storage>/<name> on any node that mounts it. A replica gets a scratch directory
+of its own on whatever node it lands, holding only its config and token: its weights arrive through
+Ray's object store (`RoleHost.stage`, fed by asyncrl/orchestrator/staging.py), and its URL comes back to
+the run directory through the supervisor. The orchestrator stays a local process and the ledger's only
+writer.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,177 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncrl import heartbeat, weights
 from asyncrl.access import read_token
 from asyncrl.config import Config, ConfigError
 from asyncrl.files import write_atomic
 from asyncrl.inference import replica
-from asyncrl.trajectory import batch_path
-
-NAMESPACE = "asyncrl"
-KEEP_STAGED = 2  # versions a replica's directory keeps (the held one and the one it loads)
+from asyncrl.ray_host import NAMESPACE, RoleHost
 
 
 def trainer_info_file(run_dir: Path) -> Path:
     """Where the trainer's host is (its actor and directory), copied to the run directory for the
     orchestrator's link to the trainer."""
     return Path(run_dir) / "trainer.json"
-
-
-class RoleHost:
-    """One role's process on one node (a Ray actor: `ray.remote(RoleHost)`)."""
-
-    def __init__(self, role: str, run_dir: str | None, config: str, token: str, fresh: bool = False):
-        """`run_dir`: the run directory, when this node shares it (the trainer without run.storage); else
-        the trainer's directory in run.storage (it outlives this host: checkpoints, published versions,
-        delivered batches), or a replica's scratch directory. `fresh`: the first host of a new run."""
-        self.role = role
-        self.proc: subprocess.Popen | None = None
-        self.scratch = False
-        self.published: dict[tuple[int, str], tuple] = {}  # the trainer's: (version, kind) -> (ref, sha256)
-        if run_dir is not None:
-            self.dir = Path(run_dir)
-            return
-        tree = json.loads(config)  # its run directory is its own: no path leads to the driver's
-        if role == "trainer":
-            self.dir = Path(tree["run"]["storage"]) / tree["run"]["name"]
-            _claim(self.dir, fresh, tree["run"]["overwrite"])
-            tree["run"]["root"] = tree["run"]["storage"]
-        else:
-            self.dir, self.scratch = Path(tempfile.mkdtemp(prefix=f"asyncrl-{role}-")), True
-            tree["run"].update(root=str(self.dir.parent), name=self.dir.name)
-        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        write_atomic(self.dir / "config.json", json.dumps(tree))
-        write_atomic(self.dir / "token", token)
-        os.chmod(self.dir / "token", 0o600)
-
-    def start(self, threads: int, env: dict) -> int:
-        from asyncrl.supervisor import command, role_env, spawn
-
-        heartbeat.heartbeat_file(self.dir, self.role).unlink(missing_ok=True)
-        index = replica.index_of(self.role)
-        if index is not None:
-            replica.info_file(self.dir, index).unlink(missing_ok=True)
-        log = open(self.dir / "logs" / f"{self.role}.log", "a")
-        self.proc = spawn(command(self.role, self.dir), stdout=log, stderr=subprocess.STDOUT,
-                          env=role_env(threads, **env))
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def signal(self, signum: int) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signum)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def heartbeat_age(self) -> float | None:
-        return heartbeat.age(self.dir, self.role)
-
-    def tail(self, lines: int = 15) -> str:
-        from asyncrl.supervisor import tail
-
-        return tail(self.dir / "logs" / f"{self.role}.log", lines)
-
-    def log_text(self) -> str:
-        path = self.dir / "logs" / f"{self.role}.log"
-        return path.read_text(errors="replace")[-2**20:] if path.exists() else ""
-
-    def info(self) -> dict | None:
-        """The trainer's directory; a replica's replicas/<i>.json (bound to every interface, its URL names
-        this node)."""
-        import ray
-
-        if replica.index_of(self.role) is None:
-            return {"dir": str(self.dir), "node": ray.util.get_node_ip_address()}
-        info = replica.read_info(self.dir, replica.index_of(self.role))
-        if info is not None and "://0.0.0.0:" in info["url"]:
-            info["url"] = info["url"].replace("0.0.0.0", ray.util.get_node_ip_address())
-        return info
-
-    def stage(self, version: int, kind: str, refs: list, digest: str, state_hash: str) -> dict:
-        """Fetch version `version` (its full file or its patch) from the object store into this replica's
-        directory; returns the /update_weights body that loads it."""
-        import ray
-
-        data = ray.get(refs[0])
-        if _sha256(data) != digest:
-            raise ValueError(f"version {version} ({kind}) arrived with another sha256 than it was sent with")
-        path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
-        path.parent.mkdir(exist_ok=True)
-        write_atomic(path, data)
-        weights.prune(self.dir, version, KEEP_STAGED)
-        body = {"path": str(weights.weights_file(self.dir, version)), "version": version, "hash": state_hash}
-        if kind == "patch":
-            body.update(patch=str(path), base_version=version - 1)
-        return body
-
-    # --- the trainer's channel (asyncrl/orchestrator/trainer_link.py) --------------------------------
-    def receive_batch(self, step: int, refs: list, digest: str) -> bool:
-        """Batch `step` from the orchestrator into this directory (kept if it is there already: a batch
-        re-sent after a restart is the same batch)."""
-        import ray
-
-        path = batch_path(self.dir, step)
-        if path.exists() and _sha256(path.read_bytes()) == digest:
-            return True
-        data = ray.get(refs[0])
-        if _sha256(data) != digest:
-            raise ValueError(f"batch {step} arrived with another sha256 than it was sent with")
-        write_atomic(path, data)
-        return True
-
-    def wait_version(self, version: int, timeout: float) -> dict | None:
-        """Version `version`'s marker once the trainer has published it; None if not within `timeout`."""
-        path = weights.marker_file(self.dir, version)
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.005)
-        return weights.read_marker(self.dir, version)
-
-    def put_version(self, version: int, kind: str) -> tuple[list, str]:
-        """Version `version`'s full file or patch in the object store, once (returned in a list: Ray would
-        resolve a bare reference)."""
-        import ray
-
-        if (version, kind) not in self.published:
-            path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
-            data = path.read_bytes()
-            for old in [k for k in self.published if k[0] < version - KEEP_STAGED]:
-                del self.published[old]
-            self.published[(version, kind)] = [ray.put(data)], _sha256(data)
-        return self.published[(version, kind)]
-
-    def checkpoints(self, verify: bool) -> list[int]:
-        """Steps of the complete checkpoints (each file checked against its manifest if `verify`)."""
-        from asyncrl import checkpoint
-
-        return checkpoint.valid_steps(checkpoint.checkpoints_dir(self.dir), verify=verify)
-
-    def events_since(self, offset: int) -> tuple[str, int]:
-        """The role's events.jsonl from byte `offset` on (whole lines), and the offset after them."""
-        path = self.dir / "events.jsonl"
-        if not path.exists():
-            return "", offset
-        with open(path, "rb") as f:
-            f.seek(offset)
-            text = f.read(2**20)
-        text = text[: text.rfind(b"\n") + 1]
-        return text.decode(errors="replace"), offset + len(text)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self.scratch:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RemoteRole:
@@ -260,7 +99,9 @@ class RayHosts:
         _connect(cfg, log)
         self.hosts: dict[str, object] = {}
         self.group = None
-        self.bundle_of = {"trainer": 0, **{replica.role(i): i + 1 for i in range(cfg.inference.replicas)}}
+        # bundles 0..M-1: the trainer's ranks (its leader's host places the others); then the replicas
+        ranks = cfg.trainer.ranks
+        self.bundle_of = {"trainer": 0, **{replica.role(i): ranks + i for i in range(cfg.inference.replicas)}}
 
     def place(self) -> None:
         from ray.util.placement_group import placement_group
@@ -268,8 +109,8 @@ class RayHosts:
         cfg = self.cfg
         # without run.storage the trainer shares the run directory: it must run on this node
         here = {} if cfg.run.storage else {f"node:{self.ray.util.get_node_ip_address()}": 0.001}
-        trainer_cpus = cfg.role_threads("trainer") * cfg.trainer.ranks
-        bundles = [{"CPU": trainer_cpus, **here, **cfg.trainer.ray_resources}]
+        rank_bundle = {"CPU": cfg.role_threads("trainer"), **here, **cfg.trainer.ray_resources}
+        bundles = [rank_bundle] * cfg.trainer.ranks
         replica_bundle = {"CPU": cfg.role_threads("inference"), **cfg.inference.ray_resources}
         bundles += [replica_bundle] * cfg.inference.replicas
         self.group = placement_group(bundles, strategy="PACK", name=f"asyncrl-{cfg.run.name}")
@@ -279,12 +120,14 @@ class RayHosts:
             self.ray.util.remove_placement_group(self.group)
             raise ConfigError(
                 f"Ray could not place the run's roles within {cfg.run.ray_placement_timeout:.0f}s "
-                f"(run.ray_placement_timeout): the trainer needs {bundles[0]} (its threads and "
-                f"trainer.ray_resources, on this node) and each of {cfg.inference.replicas} inference "
+                f"(run.ray_placement_timeout): each of the trainer's {cfg.trainer.ranks} rank(s) needs "
+                f"{bundles[0]} (its threads and trainer.ray_resources; on this node without run.storage) "
+                f"and each of {cfg.inference.replicas} inference "
                 f"replica(s) {replica_bundle} (inference.threads and inference.ray_resources); the cluster "
                 f"has {self.ray.available_resources()} free. Nothing ran: the same command with "
                 "--run.overwrite true starts again") from None
-        self.log(f"ray: placed the trainer and {cfg.inference.replicas} inference replica(s): {bundles}")
+        self.log(f"ray: placed the trainer's {cfg.trainer.ranks} rank(s) and {cfg.inference.replicas} "
+                 f"inference replica(s): {bundles}")
 
     def start(self, role: str, threads: int, env: dict) -> RemoteRole:
         """Start `role` in its host (a new host if it has none or its host died)."""
@@ -303,7 +146,8 @@ class RayHosts:
                 name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=strategy, max_concurrency=8)
             shared = role == "trainer" and not self.cfg.run.storage
             host = actor.remote(role, str(self.run_dir.resolve()) if shared else None, self._config(),
-                                read_token(self.run_dir), fresh=self.fresh and role not in self.hosts)
+                                read_token(self.run_dir), fresh=self.fresh and role not in self.hosts,
+                                group=self.group if role == "trainer" else None)
             self.hosts[role] = host, name
             pid = self.ray.get(host.start.remote(threads, env), timeout=self.cfg.timeouts.startup)
         return RemoteRole(host, name, pid, role)
@@ -329,19 +173,6 @@ class RayHosts:
         if self.group is not None:
             self.ray.util.remove_placement_group(self.group)
         self.ray.shutdown()
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _claim(path: Path, fresh: bool, overwrite: bool) -> None:
-    """The trainer's directory in run.storage, on this node: a new run finds it empty, or deletes an earlier
-    run's when told to (asyncrl/checkpoint.py: check_storage)."""
-    from asyncrl.checkpoint import check_storage
-
-    if fresh and check_storage(path, overwrite, f" (on node {socket.gethostname()})"):
-        shutil.rmtree(path)
 
 
 def _connect(cfg: Config, log) -> None:

@@ -105,7 +105,7 @@ def transfer(paths: list[str], repeats: int = 3) -> list[dict]:
 
     import ray
 
-    from asyncrl.ray_roles import RoleHost
+    from asyncrl.ray_host import RoleHost
 
     ray.init(num_cpus=4, object_store_memory=512 * 2**20, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")

@@ -116,14 +116,16 @@ def tests_on_path(monkeypatch):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One Ray cluster for the whole suite: a head and a simulated second node carrying the resource
-    `node_b` (the test pins inference replicas there). Logical CPUs are over-declared: the roles' thread
+    `node_b` (the test pins inference replicas there); each node has one `trainer_slot` (a trainer of two
+    ranks asking for one per rank spans both nodes). Logical CPUs are over-declared: the roles' thread
     counts are what they ask for, not what this machine has. Yields its address."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     node = {"num_cpus": 8, "object_store_memory": 128 * 2**20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    cluster.add_node(**node, resources={"node_b": 4})
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False,
+                                                            "resources": {"trainer_slot": 1}})
+    cluster.add_node(**node, resources={"node_b": 4, "trainer_slot": 1})
     cluster.wait_for_nodes()
     try:
         yield cluster.address

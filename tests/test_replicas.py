@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import job_args
@@ -81,7 +82,7 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
     chaos.start()
     out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 0, out[-3000:]
-    assert "ray: placed the trainer and 2 inference replica(s)" in out
+    assert "ray: placed the trainer's 1 rank(s) and 2 inference replica(s)" in out
     infos = [json.loads(replica.info_file(run_dir, i).read_text()) for i in range(2)]
     assert all(info["actor"].startswith("job.inference-") for info in infos)
     events = read_events(run_dir)
@@ -95,11 +96,26 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
     assert_nothing_lost(run_dir)
 
 
+def trainer_host_after(run_dir: Path, step: int, previous: str | None, proc) -> dict:
+    """trainer.json once `step` steps are recorded and it names a host other than `previous`."""
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = run_dir / "trainer.json"
+        if steps_recorded(run_dir) >= step and path.exists():
+            info = json.loads(path.read_text())
+            if info["actor"] != previous:
+                return info
+        time.sleep(0.05)
+    raise AssertionError(f"no new trainer host by step {step}: {proc.poll()=}")
+
+
 @pytest.mark.timeout(900)
-def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_path, ray_cluster, record):
-    """run.storage set: the trainer (two ranks) runs on node_b too, in <storage>/job, with nothing of the
-    run directory; batches reach it and versions leave it through Ray. Its host actor is killed mid-run:
-    a new host restarts it from the checkpoint in run.storage, the batches it needs are sent again, and
+def test_ray_trainer_ranks_on_two_nodes_keep_their_state_in_run_storage(tiny_model, tmp_path, ray_cluster,
+                                                                       record):
+    """run.storage set: the trainer's two ranks run on two nodes (a host each), in <storage>/job, with
+    nothing of the run directory; batches reach it and versions leave it through Ray. The leader's host
+    actor is killed mid-run, later the other rank's: each time the whole group restarts from the
+    checkpoint in run.storage (its optimizer resharded by DCP), the batches it needs are sent again, and
     the replayed versions are bit-identical."""
     import ray
 
@@ -108,30 +124,30 @@ def test_ray_trainer_on_node_b_keeps_its_state_in_run_storage(tiny_model, tmp_pa
     proc = train_cli(tmp_path, tiny_model, **{
         "run.launcher": "ray", "run.ray_address": ray_cluster, "run.storage": str(storage),
         "inference.replicas": 1, "inference.ray_resources": "{node_b = 1}",
-        "trainer.ray_resources": "{node_b = 1}", "trainer.publish_patches": True, "run.steps": steps,
-        "trainer.ranks": 2,
-        "task.eval_every": steps, "trainer.checkpoint_every": 8})
-    killed_at = None
+        "trainer.ray_resources": "{trainer_slot = 1}", "trainer.publish_patches": True, "run.steps": steps,
+        "trainer.ranks": 2, "task.eval_every": steps, "trainer.checkpoint_every": 8})
+    killed, infos = [], []
     try:
-        deadline = time.monotonic() + 300
-        while steps_recorded(run_dir) < 12 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        info = json.loads((run_dir / "trainer.json").read_text())
-        ray.init(address=ray_cluster, namespace=info["namespace"], log_to_driver=False)
-        ray.kill(ray.get_actor(info["actor"]))
-        killed_at = steps_recorded(run_dir)
+        ray.init(address=ray_cluster, namespace="asyncrl", log_to_driver=False)
+        for at_step, actor in ((12, "{actor}"), (26, "{actor}.rank1")):
+            infos.append(trainer_host_after(run_dir, at_step, infos[-1]["actor"] if infos else None, proc))
+            ray.kill(ray.get_actor(actor.format(actor=infos[-1]["actor"])))
+            killed.append(steps_recorded(run_dir))
     finally:
         ray.shutdown()
         out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 0, out[-3000:]
-    record("steps_left_at_trainer_host_kill", steps - killed_at, threshold=0)
-    assert info["dir"] == str(storage / "job")
+    record("steps_left_at_trainer_rank_kill", steps - killed[-1], threshold=0)
+    assert [len(set(info["rank_nodes"])) for info in infos] == [2, 2]  # each rank on its own node
+    assert infos[0]["dir"] == str(storage / "job")
     assert str(tmp_path / "runs") not in (storage / "job" / "config.json").read_text()
     assert valid_steps(storage / "job" / "checkpoints")[-1] == steps
+    last = storage / "job" / "checkpoints" / f"step_{steps:06d}"
+    assert len(list((last / "optimizer").glob("*.distcp"))) == 2  # a shard per rank
     assert not (run_dir / "checkpoints").exists() and not list((run_dir / "weights").glob("*.safetensors"))
     events = read_events(run_dir)  # the trainer's own events came back through the link
-    assert [e["target"] for e in events if e["event"] == "role_restarted"] == ["trainer"]
-    assert any(e["event"] == "trainer_resumed" for e in events)
+    assert [e["target"] for e in events if e["event"] == "role_restarted"] == ["trainer", "trainer"]
+    assert len([e for e in events if e["event"] == "trainer_resumed"]) == 2
     replayed = [e["identical"] for e in events if e["event"] == "version_replayed"]
     assert replayed and all(replayed)
     log = (run_dir / "logs" / "trainer.log").read_text()

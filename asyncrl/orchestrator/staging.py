@@ -3,7 +3,7 @@
 A replica on this machine reads them from the run directory. A replica under Ray (run.launcher = "ray")
 may be on a node without it: the version's file (or its sparse patch) goes into Ray's object store once,
 whatever the number of replicas, and the actor hosting each replica fetches it to its node, checks its
-sha256 and writes it into the replica's own directory (asyncrl/ray_roles.py); the replica then loads
+sha256 and writes it into the replica's own directory (asyncrl/ray_host.py); the replica then loads
 it from there as from any run directory, and checks the weights' hash as always.
 """
 from __future__ import annotations

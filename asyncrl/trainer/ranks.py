@@ -3,7 +3,9 @@
 The trainer role's process is rank 0, the leader: it starts ranks 1..M-1 as its own children (each dies
 with it), and dies itself, with the child's exit code, the moment one of them dies — so a dead rank takes
 the whole group down and the supervisor restarts it from the last checkpoint, as it restarts a one-rank
-trainer. Every collective has the group's timeout (gloo on CPU, NCCL on GPUs; neither waits forever).
+trainer. Under Ray the leader's host starts each other rank in a host of its own, on any node
+(asyncrl/ray_host.py), and stops the group the same way. Every collective has the group's timeout (gloo
+on CPU, NCCL on GPUs; neither waits forever).
 
 Only the leader touches the run directory (batches in, versions and checkpoints out, heartbeat, events);
 the others get each batch by broadcast. The model is sharded with FSDP2 (`fully_shard` per decoder block
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 RANK_ENV = "ASYNCRL_TRAINER_RANK"
+HOSTED_ENV = "ASYNCRL_TRAINER_RANKS_HOSTED"  # set: the launcher started every rank (Ray: a host per rank)
 
 
 class Ranks:
@@ -133,12 +136,13 @@ def decoder_blocks(model) -> list[torch.nn.Module]:
 
 
 def join_group(cfg, run_dir: Path, log=print) -> Ranks:
-    """This process's place in the trainer's group; the leader starts the other ranks first."""
+    """This process's place in the trainer's group; the leader starts the other ranks first, unless the
+    launcher started them (HOSTED_ENV, with MASTER_ADDR and MASTER_PORT naming the leader)."""
     size = cfg.trainer.ranks
     if size == 1:
         return Ranks()
     rank = int(os.environ.get(RANK_ENV, "0"))
-    if rank == 0:
+    if rank == 0 and not os.environ.get(HOSTED_ENV):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         _start_followers(run_dir, size, log)
     timeout = datetime.timedelta(seconds=cfg.timeouts.batch + cfg.timeouts.step_compute)
