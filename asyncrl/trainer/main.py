@@ -175,6 +175,12 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     served = weights.cast_state(state, serving_dtype) if cfg.trainer.publish_patches and leader else None
     writer = checkpoint.CheckpointWriter(run_dir, setup.tokenizer, cfg.trainer.keep_checkpoints,
                                          cfg.timeouts.checkpoint, ranks)
+    sender = None  # inference.weight_transfer = "nccl": versions go from here into the vLLM replicas
+    if leader and cfg.inference.weight_transfer == "nccl":
+        from asyncrl.trainer.weight_sender import Sender
+
+        sender = Sender(cfg, run_dir)
+        sender.publish(setup.first_step, state)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
     if leader:
@@ -216,6 +222,8 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                 metrics["checkpoint_stall_seconds"] = writer.save(
                     step + 1, state, model.config.to_dict(), trainer_state,
                     checkpoint.optimizer_state(model, optimizer))
+        if sender is not None:  # (before the marker that announces the version)
+            sender.publish(step + 1, state)
         if leader:
             finish_version(run_dir, cfg, step, state, metrics, phases, started, events)
             heartbeat.beat()
