@@ -5,9 +5,11 @@ calls the configured objective, and aggregates the per-token loss as a token mea
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
@@ -72,12 +74,20 @@ def length_buckets(lengths: list[int]) -> list[list[int]]:
     return groups[::-1]
 
 
-def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False, buckets: bool = True):
+# The most [tokens, vocabulary] float32 values a chunk of the output layer holds at once (256 MiB): logits
+# over a 150k vocabulary for a whole batch would be the trainer's peak memory, many times over.
+CHUNK_VALUES = 2**26
+
+
+def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False, buckets: bool = True,
+                   chunk_values: int = CHUNK_VALUES):
     """(log π(target) per position, entropy per position); temperature as the engine sampled.
 
     Rows go through the model in length buckets (or, without `buckets`, in one call), each cut to its
-    own longest row (no padding compute), and come back in batch order, padded with zeros. The entropy
-    keeps its graph only when a bonus needs its gradient (it costs a [B, T, V] term).
+    own longest row (no padding compute), and come back in batch order, padded with zeros. The output
+    layer never materialises the logits of a whole bucket: `chunked_head` computes them a chunk of
+    positions at a time, and again in the backward pass. The entropy keeps its graph only when a bonus
+    needs its gradient.
     """
     lengths = batch["attention"].sum(-1).tolist()
     width = batch["tokens"].shape[1] - 1
@@ -86,15 +96,55 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
         idx = torch.tensor(group, device=batch["tokens"].device)
         w = int(max(lengths[r] for r in group))
         tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
-        logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1].float()
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        source = logprobs if entropy_grad else logprobs.detach()
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # (the last position predicts nothing)
+        with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
+            out = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
         pad = (0, width - (w - 1))
-        entropy_parts.append(torch.nn.functional.pad(-(source.exp() * source).sum(-1), pad))
-        logp_parts.append(torch.nn.functional.pad(logprobs.gather(-1, tokens[:, 1:, None]).squeeze(-1), pad))
+        logp_parts.append(torch.nn.functional.pad(out[..., 0], pad))
+        entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
+        entropy_parts.append(torch.nn.functional.pad(entropy, pad))
         rows += group
     back = torch.tensor(rows, device=batch["tokens"].device).argsort()  # bucket order -> batch order
     return torch.cat(logp_parts)[back], torch.cat(entropy_parts)[back]
+
+
+@contextlib.contextmanager
+def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad: bool, chunk_values: int):
+    """Within the block the model's output layer returns [B, T, 2] — each position's log π(target) and
+    entropy — instead of [B, T, V] logits. It stays the model's own layer, called inside the model's
+    forward (so FSDP has its weight gathered), and works through chunks of positions, each under
+    activation checkpointing: only the hidden states are kept for the backward pass."""
+    head = model.get_output_embeddings()
+    chunk = max(1, chunk_values // head.weight.shape[0])
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        parts = []
+        for lo in range(0, flat.shape[0], chunk):
+            h, t = flat[lo:lo + chunk], flat_targets[lo:lo + chunk]
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_head_chunk, head.weight, head.bias, h, t, temperature, entropy_grad,
+                                        use_reentrant=False))
+            else:
+                parts.append(_head_chunk(head.weight, head.bias, h, t, temperature, entropy_grad))
+        return torch.cat(parts).reshape(*hidden.shape[:-1], 2)
+
+    head.forward = forward  # (an instance attribute shadows the class's forward until deleted)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _head_chunk(weight, bias, hidden, targets, temperature: float, entropy_grad: bool) -> torch.Tensor:
+    """[n, 2]: log π(target) and the entropy at n positions, from their logits in float32."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    norm = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
+    source = logits if entropy_grad else logits.detach()
+    probs = torch.softmax(source, dim=-1)
+    entropy = (norm if entropy_grad else norm.detach()) - (probs * source).sum(-1)
+    return torch.stack([logp, entropy], dim=-1)
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
