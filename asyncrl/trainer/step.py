@@ -112,8 +112,8 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
 def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad: bool, chunk_values: int):
     """Within the block the model's output layer returns [B, T, 2] — each position's log π(target) and
     entropy — instead of [B, T, V] logits. It stays the model's own layer, called inside the model's
-    forward (so FSDP has its weight gathered), and works through chunks of positions, each under
-    activation checkpointing: only the hidden states are kept for the backward pass."""
+    forward (so FSDP has its weight gathered), and works through chunks of positions, each (when there
+    are several) under activation checkpointing: only the hidden states are kept for the backward pass."""
     head = model.get_output_embeddings()
     chunk = max(1, chunk_values // head.weight.shape[0])
 
@@ -122,7 +122,7 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
         parts = []
         for lo in range(0, flat.shape[0], chunk):
             h, t = flat[lo:lo + chunk], flat_targets[lo:lo + chunk]
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and flat.shape[0] > chunk:  # (one chunk: recomputing saves nothing)
                 parts.append(checkpoint(_head_chunk, head.weight, head.bias, h, t, temperature, entropy_grad,
                                         use_reentrant=False))
             else:
