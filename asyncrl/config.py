@@ -252,6 +252,7 @@ RESUMABLE_KEYS = (
     "trainer.threads",
     "trainer.ranks",  # (DCP reshards a checkpoint's optimizer to any rank count)
     "trainer.activation_checkpointing",
+    "trainer.share_prefixes",  # (the same numbers either way)
     "trainer.device",
     "inference.host",
     "inference.port",

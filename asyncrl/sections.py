@@ -258,6 +258,10 @@ class TrainerConfig(Section):
     # processes of the trainer's torch.distributed group, the model sharded over them with FSDP2
     # (asyncrl/trainer/ranks.py); each uses `threads` threads (on GPUs: one device each)
     ranks: int = Field(1, ge=1, le=64)
+    # a group's shared prompt goes through the model once, its samples' own tokens attending to it (same
+    # numbers: asyncrl/trainer/logprobs.py); taken only where it saves more than its extra calls cost, and
+    # with one rank (the ranks of a group make one forward call each)
+    share_prefixes: bool = True
     # ranks > 1: FSDP2's compute dtype (gradients are reduced in float32 either way)
     mixed_precision: Literal["off", "bf16"] = "off"
     # recompute each block's activations in the backward pass: less memory, ~30% more compute

@@ -25,7 +25,8 @@ def child(chunk_values: int, rows: int, length: int) -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from asyncrl.trainer.step import collate, token_logprobs
+    from asyncrl.trainer.logprobs import token_logprobs
+    from asyncrl.trainer.step import collate
     from asyncrl.trajectory import Trajectory
 
     torch.set_num_threads(2)
@@ -56,7 +57,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, args.rows, args.length)))
         return
-    from asyncrl.trainer.step import CHUNK_VALUES
+    from asyncrl.trainer.logprobs import CHUNK_VALUES
 
     settings = {"chunked (default)": CHUNK_VALUES, "whole bucket at once": 2**62}
     rows = []

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 from asyncrl import checkpoint, weights
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.model import build_bpe_tokenizer, build_tiny_model, chatml_corpus, load_policy
+from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.ranks import Ranks
-from asyncrl.trainer.step import collate, token_logprobs
+from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
 
 ARCHITECTURES = {  # name: (architecture, heads, kv_heads, tied)

@@ -4,8 +4,12 @@ all positions at once, whatever the chunk size, with and without the entropy's g
 import pytest
 import torch
 
+from asyncrl import weights
+from asyncrl.config import load_config
 from asyncrl.model import load_policy
-from asyncrl.trainer.step import collate, token_logprobs
+from asyncrl.objectives import get_objective
+from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.trainer.step import collate, train_step
 from asyncrl.trajectory import Trajectory
 
 
@@ -34,6 +38,12 @@ def gradients(model, logp, entropy, batch) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def assert_same_gradients(got: list, want: list) -> None:
+    """Equal up to float summation order: within 1e-4 of each tensor's largest entry (7e-6 measured)."""
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+
+
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunks_of_the_output_layer_change_nothing(tiny_model, entropy_grad):
     model, tokenizer = load_policy(tiny_model)
@@ -48,7 +58,89 @@ def test_chunks_of_the_output_layer_change_nothing(tiny_model, entropy_grad):
         torch.testing.assert_close(logp[mask], ref_logp[mask], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy[mask], ref_entropy[mask], rtol=1e-5, atol=1e-5)
         assert entropy.requires_grad == entropy_grad
-        for got, want in zip(gradients(model, logp, entropy, batch), ref_grads):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert_same_gradients(gradients(model, logp, entropy, batch), ref_grads)
     assert max(float(g.abs().max()) for g in ref_grads) > 1e-3  # the comparison is of real gradients
     assert "forward" not in vars(model.get_output_embeddings())  # the layer is itself again
+
+
+def grouped_trajectories(vocab: int) -> list[Trajectory]:
+    """Two groups of eight samples with one prompt each and answers of 1 to 12 tokens, four agent episodes
+    that share only their first turn (then turns of their own, of different lengths), and two rows alone."""
+    g = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    trajs = []
+
+    def add(group: str, prompt: list[int], rest: list[int], answer_mask: list[int]) -> None:
+        tokens, mask = prompt + rest, [0] * len(prompt) + answer_mask
+        trajs.append(Trajectory(f"{group}{len(trajs)}", group, "t", 0, tokens, mask, [0.0] * len(tokens),
+                                [-1] * len(prompt) + [0] * len(rest),
+                                advantages=[0.0] * len(prompt) + [0.5 - len(trajs) % 3 * 0.4] * len(rest)))
+
+    for group in ("a", "b"):
+        prompt = draw(100)
+        for answer in (1, 5, 12, 3, 7, 2, 9, 4):
+            add(group, prompt, draw(answer), [1] * answer)
+    first_turn = draw(80)
+    for own in (4, 9, 2, 5):  # the answer, a tool's reply (not trained), a second answer
+        add("episode", first_turn, draw(own) + draw(6) + draw(own + 1), [1] * own + [0] * 6 + [1] * (own + 1))
+    for alone in (20, 33):
+        add(f"alone{alone}", draw(alone), draw(4), [1] * 4)
+    return trajs
+
+
+def grouped_batch(vocab: int) -> dict:
+    return collate(grouped_trajectories(vocab), pad_id=0, version=0)
+
+
+def tokens_through(model) -> list[int]:
+    counted = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: counted.append(kwargs["input_ids"].numel()),
+                                    with_kwargs=True)
+    return counted
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_a_groups_shared_prompt_goes_through_the_model_once_and_changes_nothing(tiny_model, entropy_grad):
+    model, tokenizer = load_policy(tiny_model)
+    batch = grouped_batch(len(tokenizer))
+    counted = tokens_through(model)
+    plain_logp, plain_entropy = token_logprobs(model, batch, 0.7, entropy_grad, buckets=False)
+    plain_grads = gradients(model, plain_logp, plain_entropy, batch)
+    plain_tokens = sum(counted)
+    counted.clear()
+    logp, entropy = token_logprobs(model, batch, 0.7, entropy_grad)
+    shared_tokens = sum(counted)
+    lengths = batch["attention"].sum(-1)
+    scored = torch.arange(logp.shape[1])[None] < (lengths - 1)[:, None]  # every position with a target
+    torch.testing.assert_close(logp[scored], plain_logp[scored], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[scored], plain_entropy[scored], rtol=1e-5, atol=1e-5)
+    assert_same_gradients(gradients(model, logp, entropy, batch), plain_grads)
+    # each group's shared tokens went through once (2 x 99 + 79 instead of 16 x 99 + 4 x 79: 1623 fewer),
+    # against every token of every row (2135), padding included (891 measured)
+    assert shared_tokens < int(lengths.sum()) - 1000 < plain_tokens, (shared_tokens, plain_tokens)
+
+
+@pytest.mark.parametrize("objective,minibatches,kl_coef", [("decoupled_ppo", 2, 0.0), ("m2po", 1, 0.05)])
+def test_training_steps_with_shared_prompts_are_the_same_steps(tiny_model, objective, minibatches, kl_coef):
+    """A whole train_step — the proximal logprobs recomputed, the KL anchor's logprobs, the loss, the
+    optimizer step — with trainer.share_prefixes on and off."""
+    results = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(tiny_model)
+        ref_model = load_policy(tiny_model)[0].eval().requires_grad_(False) if kl_coef else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        counted = tokens_through(model)
+        cfg = load_config(overrides=["--objective.name", objective, "--objective.prox", "recompute",
+                                     "--trainer.minibatches", str(minibatches), "--objective.kl_coef",
+                                     str(kl_coef), "--trainer.share_prefixes", str(share).lower()])
+        trajs = grouped_trajectories(len(tokenizer))
+        metrics = train_step(model, optimizer, get_objective(objective), trajs, 0, cfg, 0, ref_model)
+        results.append((metrics, weights.model_state(model), sum(counted)))
+    (shared, shared_state, shared_tokens), (plain, plain_state, plain_tokens) = results
+    assert shared_tokens < 0.7 * plain_tokens, (shared_tokens, plain_tokens)  # the prompts were shared
+    assert shared.keys() == plain.keys()
+    for key, value in plain.items():
+        assert shared[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    for key in plain_state:  # (Adam's noise on near-zero gradients: see tests/test_ranks.py)
+        torch.testing.assert_close(shared_state[key], plain_state[key], rtol=1e-4, atol=3e-5)

@@ -10,7 +10,8 @@ from asyncrl.report import profile, profile_summary
 from asyncrl.rewards.pool import VerifierError, VerifierPool
 from asyncrl.sections import TaskConfig
 from asyncrl.threads import ALTERNATE, choose
-from asyncrl.trainer.step import CALL_COST_TOKENS, collate, length_buckets, token_logprobs
+from asyncrl.trainer.logprobs import CALL_COST_TOKENS, length_buckets, token_logprobs
+from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
 
 

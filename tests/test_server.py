@@ -9,7 +9,8 @@ from asyncrl import weights
 from asyncrl.access import read_token
 from asyncrl.inference.client import InferenceClient, InferenceError
 from asyncrl.model import load_policy
-from asyncrl.trainer.step import collate, token_logprobs
+from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
 
 TOKEN = {}  # url -> the run's token

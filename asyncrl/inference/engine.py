@@ -12,7 +12,6 @@ the new weights and generation goes on (partial rollouts); under "abort" they st
 """
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,11 +50,6 @@ class Sequence:
         return self.prompt + self.sample.token_ids
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator):
     """(tokens, logprobs) for one step, each row with its own temperature (0 = greedy) and top-p."""
     greedy = temps == 0
@@ -86,7 +80,7 @@ class Engine:
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.version = 0
         self.generator = torch.Generator().manual_seed(seed)
-        self.cache_arg = _cache_kwarg(model)
+        self.cache_arg = kv.cache_kwarg(model)
         self.waiting: deque[Sequence] = deque()
         self.admitting = True  # False while draining for a "finish" weight update
         self.held = 0  # steps the oldest waiting sequence has been held back (see _admit)

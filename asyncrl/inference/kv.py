@@ -7,6 +7,8 @@ on the left; columns that no row uses any more are cut off on the left.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -22,13 +24,20 @@ def tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def build(layers: list[tuple[torch.Tensor, torch.Tensor]], config, spare: int = 64) -> DynamicCache:
-    """A DynamicCache holding `layers`, each in a buffer with `spare` free columns to grow into."""
+def cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the KV cache argument (and output) `cache`; older releases
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def build(layers: list[tuple[torch.Tensor, torch.Tensor]], config, spare: int | None = 64) -> DynamicCache:
+    """A DynamicCache holding `layers`, each in a buffer with `spare` free columns to grow into (None: plain
+    layers that grow by concatenation, as autograd needs: the trainer's)."""
     try:
         cache = DynamicCache(ddp_cache_data=layers, config=config)
     except TypeError:  # older releases take no config
         return DynamicCache.from_legacy_cache(tuple(layers))
-    for layer in getattr(cache, "layers", []):
+    for layer in getattr(cache, "layers", []) if spare is not None else []:
         if type(layer) is DynamicLayer:
             GrowingLayer.adopt(layer, spare)
     return cache

@@ -5,16 +5,15 @@ calls the configured objective, and aggregates the per-token loss as a token mea
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
 from asyncrl.profile import Phases
 from asyncrl.rewards.tasks import as_number
+from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trajectory import Trajectory
 
@@ -45,106 +44,6 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
         "advantages": pad("advantages", 0.0, torch.float32)[:, 1:],
         "staleness": torch.where(mask > 0, version - versions, 0).float(),
     }
-
-
-# A forward call's fixed cost in tokens' worth of compute: rows are only split into length buckets
-# when the padding a split saves outweighs the extra call (see length_buckets).
-CALL_COST_TOKENS = 256
-
-
-def length_buckets(lengths: list[int]) -> list[list[int]]:
-    """Row indices grouped into runs of similar length, minimising Σ rows × longest + CALL_COST_TOKENS
-    per group: a long-tailed batch padded to its longest row wastes most of its compute on padding.
-
-    Exact by dynamic programming over the distinct lengths (sorted, a group is a contiguous range)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    widths = sorted(set(lengths))
-    ends = [sum(1 for n in lengths if n <= w) for w in widths]  # rows with length <= widths[j]
-    best, cut = [0.0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
-    for j in range(1, len(widths) + 1):
-        for i in range(j):
-            cost = best[i] + (ends[j - 1] - (ends[i - 1] if i else 0)) * widths[j - 1] + CALL_COST_TOKENS
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(widths)
-    while j:
-        i = cut[j]
-        groups.append(order[(ends[i - 1] if i else 0): ends[j - 1]])
-        j = i
-    return groups[::-1]
-
-
-# The most [tokens, vocabulary] float32 values a chunk of the output layer holds at once (256 MiB): logits
-# over a 150k vocabulary for a whole batch would be the trainer's peak memory, many times over.
-CHUNK_VALUES = 2**26
-
-
-def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = False, buckets: bool = True,
-                   chunk_values: int = CHUNK_VALUES):
-    """(log π(target) per position, entropy per position); temperature as the engine sampled.
-
-    Rows go through the model in length buckets (or, without `buckets`, in one call), each cut to its
-    own longest row (no padding compute), and come back in batch order, padded with zeros. The output
-    layer never materialises the logits of a whole bucket: `chunked_head` computes them a chunk of
-    positions at a time, and again in the backward pass. The entropy keeps its graph only when a bonus
-    needs its gradient.
-    """
-    lengths = batch["attention"].sum(-1).tolist()
-    width = batch["tokens"].shape[1] - 1
-    logp_parts, entropy_parts, rows = [], [], []
-    for group in length_buckets(lengths) if buckets else [list(range(len(lengths)))]:
-        idx = torch.tensor(group, device=batch["tokens"].device)
-        w = int(max(lengths[r] for r in group))
-        tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
-        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # (the last position predicts nothing)
-        with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
-            out = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
-        pad = (0, width - (w - 1))
-        logp_parts.append(torch.nn.functional.pad(out[..., 0], pad))
-        entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
-        entropy_parts.append(torch.nn.functional.pad(entropy, pad))
-        rows += group
-    back = torch.tensor(rows, device=batch["tokens"].device).argsort()  # bucket order -> batch order
-    return torch.cat(logp_parts)[back], torch.cat(entropy_parts)[back]
-
-
-@contextlib.contextmanager
-def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad: bool, chunk_values: int):
-    """Within the block the model's output layer returns [B, T, 2] — each position's log π(target) and
-    entropy — instead of [B, T, V] logits. It stays the model's own layer, called inside the model's
-    forward (so FSDP has its weight gathered), and works through chunks of positions, each (when there
-    are several) under activation checkpointing: only the hidden states are kept for the backward pass."""
-    head = model.get_output_embeddings()
-    chunk = max(1, chunk_values // head.weight.shape[0])
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        parts = []
-        for lo in range(0, flat.shape[0], chunk):
-            h, t = flat[lo:lo + chunk], flat_targets[lo:lo + chunk]
-            if torch.is_grad_enabled() and flat.shape[0] > chunk:  # (one chunk: recomputing saves nothing)
-                parts.append(checkpoint(_head_chunk, head.weight, head.bias, h, t, temperature, entropy_grad,
-                                        use_reentrant=False))
-            else:
-                parts.append(_head_chunk(head.weight, head.bias, h, t, temperature, entropy_grad))
-        return torch.cat(parts).reshape(*hidden.shape[:-1], 2)
-
-    head.forward = forward  # (an instance attribute shadows the class's forward until deleted)
-    try:
-        yield
-    finally:
-        del head.forward
-
-
-def _head_chunk(weight, bias, hidden, targets, temperature: float, entropy_grad: bool) -> torch.Tensor:
-    """[n, 2]: log π(target) and the entropy at n positions, from their logits in float32."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
-    source = logits if entropy_grad else logits.detach()
-    probs = torch.softmax(source, dim=-1)
-    entropy = (norm if entropy_grad else norm.detach()) - (probs * source).sum(-1)
-    return torch.stack([logp, entropy], dim=-1)
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -186,13 +85,14 @@ def _rows(batch: dict, rows: slice) -> dict:
     return {k: v[rows] for k, v in batch.items()}
 
 
-def group_logprobs(model, batch: dict, temperature: float, ranks: Ranks, entropy_grad: bool = False):
+def group_logprobs(model, batch: dict, temperature: float, ranks: Ranks, entropy_grad: bool = False,
+                   share_prefixes: bool = True):
     """token_logprobs of every row of `batch`, each rank computing its own share and all of them gathered
     in order (with their gradient). Over several ranks each rank makes one forward call: FSDP gathers the
     weights in every call, so every rank must make the same number."""
     n = batch["tokens"].shape[0]
     logp, entropy = token_logprobs(model, _rows(batch, ranks.rows(n)), temperature, entropy_grad,
-                                   buckets=ranks.size == 1)
+                                   buckets=ranks.size == 1, share_prefixes=share_prefixes)
     return ranks.gather_rows(logp, n), ranks.gather_rows(entropy, n)
 
 
@@ -211,7 +111,8 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     recompute = obj.prox == "recompute" and cfg.trainer.minibatches > 1
     if recompute:  # with a single minibatch the current weights are the proximal policy already
         with phases("recompute"), torch.no_grad():
-            batch["prox"] = group_logprobs(model, batch, temperature, ranks)[0]
+            batch["prox"] = group_logprobs(model, batch, temperature, ranks,
+                                           share_prefixes=cfg.trainer.share_prefixes)[0]
     n = len(trajs)
     bounds = [round(i * n / cfg.trainer.minibatches) for i in range(cfg.trainer.minibatches + 1)]
     parts, logp_all, entropy_all = [], [], []
@@ -271,7 +172,8 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model, ranks: Ranks):
     """(this rank's part of the loss, with its graph; the whole loss; logp; entropy; objective metrics) of
     one minibatch: forward, objective, KL and entropy terms. The objective sees every row on every rank."""
     obj, temperature = cfg.objective, cfg.rollout.temperature
-    logp, entropy = group_logprobs(model, mb, temperature, ranks, entropy_grad=obj.entropy_coef > 0)
+    logp, entropy = group_logprobs(model, mb, temperature, ranks, entropy_grad=obj.entropy_coef > 0,
+                                   share_prefixes=cfg.trainer.share_prefixes)
     if "prox" in mb:
         prox = mb["prox"]
     elif obj.prox == "loglinear":
@@ -288,7 +190,8 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model, ranks: Ranks):
     per_token, obj_metrics = check_objective(result, objective, logp)
     if ref_model is not None and obj.kl_coef > 0:
         with torch.no_grad():
-            ref = group_logprobs(ref_model, mb, temperature, ranks)[0]
+            ref = group_logprobs(ref_model, mb, temperature, ranks,
+                                 share_prefixes=cfg.trainer.share_prefixes)[0]
         kl = kl_penalty(logp, ref, obj.kl_estimator)
         per_token = per_token + obj.kl_coef * kl
         obj_metrics["kl_ref"] = float((kl.detach() * mb["mask"]).sum() / mb["mask"].sum().clamp(min=1))
