@@ -293,6 +293,9 @@ class InferenceConfig(Section):
     max_batch_tokens: int = Field(2**18, ge=1, description="rows × longest row the KV cache may hold")
     max_waiting_sequences: int = Field(100_000, ge=1, description="beyond this, requests get 429")
     max_prompt_tokens: int = Field(256, ge=1)
+    # the built-in engine keeps the keys and values of finished agent turns, up to this many tokens, so
+    # that the episode's next turn prefills only its new tokens (0: off; asyncrl/inference/prefix_cache.py)
+    prefix_cache_tokens: int = Field(2**16, ge=0)
     # what a weight update does to sequences mid-generation: interrupt (go on under the new
     # weights, their KV caches recomputed: partial rollouts), keep (go on under the new weights
     # with the caches as they are, PipelineRL's in-flight update: no recompute, the logprobs are

@@ -218,3 +218,38 @@ def test_cancelled_sequences_free_their_rows_and_the_rest_match_an_undisturbed_r
         e.step()
     assert [s.sample.token_ids for s in kept] == [s.token_ids for s in alone]
     assert all(s.sample.finish_reason is None for s in abandoned) and not e.has_work()
+
+
+def test_a_turn_that_continues_a_cached_one_prefills_only_its_new_tokens():
+    """Three agent episodes of three turns each, all running together: a turn's request is the episode so
+    far plus what the environment said. With the prefix cache the engine feeds only the new tokens; the
+    samples are those of an engine without it (greedy, and the logprobs of a full forward pass)."""
+    results = {}
+    for budget in (0, 4096):
+        e = engine(prefix_cache_tokens=budget)
+        params = SamplingParams(max_tokens=5, temperature=0.0, cache_prefix=True)
+        episodes = [list(p) for p in PROMPTS[:3]]
+        for turn in range(3):
+            samples = e.generate(episodes, params)
+            for episode, sample in zip(episodes, samples):
+                expected = full_logprobs(e.model, episode, sample.token_ids)
+                assert torch.allclose(torch.tensor(sample.logprobs), torch.tensor(expected), atol=1e-4)
+                episode += sample.token_ids + TOK(f"={turn}?")["input_ids"]  # the environment's reply
+        results[budget] = episodes, e.tokens_prefilled, e.tokens_reused
+    (plain, plain_fed, none_reused), (cached, cached_fed, reused) = results[0], results[4096]
+    assert cached == plain and none_reused == 0
+    assert reused > 0 and cached_fed + reused == plain_fed  # every token fed once, or found cached
+    assert cached_fed < plain_fed / 2
+
+
+def test_the_prefix_cache_keeps_to_its_budget_and_forgets_on_new_weights():
+    e = engine(prefix_cache_tokens=24)
+    params = SamplingParams(max_tokens=6, temperature=0.0, cache_prefix=True)
+    first = e.generate(PROMPTS, params)
+    assert 0 < e.prefixes.tokens <= 24 and len(e.prefixes.entries) < len(PROMPTS)  # the oldest went out
+    newest = PROMPTS[-1] + first[-1].token_ids
+    e.generate([newest + TOK("?")["input_ids"]], params)
+    assert e.tokens_reused == len(newest) - 1  # (the last sampled token had not been fed)
+    assert e.prefixes.entries  # (the continued turn is cached in its turn)
+    e.reload(None, version=1, policy="interrupt")
+    assert e.prefixes.tokens == 0 and not e.prefixes.entries

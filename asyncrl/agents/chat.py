@@ -210,6 +210,7 @@ class PolicySession:
                 self.sampling["temperature"],
                 self.sampling["top_p"],
                 self.stop_ids,
+                cache_prefix=True,  # (the next turn continues this one)
             )
         except InferenceUnavailable:
             episode.server_lost = True

@@ -97,9 +97,12 @@ class InferenceClient:
             raise InferenceError(f"inference server {self.url} unreachable during {what}: {e}") from None
 
     async def complete(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                       top_p: float = 1.0, stop_token_ids: list[int] | None = None) -> list[dict]:
+                       top_p: float = 1.0, stop_token_ids: list[int] | None = None,
+                       cache_prefix: bool = False) -> list[dict]:
+        """`cache_prefix`: a later request will continue these sequences (an agent's turn): the server
+        keeps their keys and values for it."""
         body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": top_p, "stop_token_ids": stop_token_ids or []}
+                "top_p": top_p, "stop_token_ids": stop_token_ids or [], "cache_prefix": cache_prefix}
         return (await self._call("POST", "/v1/completions", "a completion request", json=body))["choices"]
 
     async def update_weights(self, body: dict, timeout: float) -> dict:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from asyncrl.inference import kv
+from asyncrl.inference.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    cache_prefix: bool = False  # keep the finished sequence's KV for the request that continues it
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Engine:
     """Running batch state, advanced one token per `step()`. Not thread-safe: one thread drives it."""
 
     def __init__(self, model, pad_token_id: int, eos_token_id: int | None, seed: int = 0,
-                 max_sequences: int = 512, max_tokens: int = 2**18):
+                 max_sequences: int = 512, max_tokens: int = 2**18, prefix_cache_tokens: int = 0):
         self.model = model.eval()
         self.pad_id, self.eos_id = pad_token_id, eos_token_id
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
@@ -86,6 +88,9 @@ class Engine:
         self.held = 0  # steps the oldest waiting sequence has been held back (see _admit)
         self.tokens_generated = 0
         self.tokens_discarded = 0  # sampled, then thrown away by an "abort" reload
+        self.tokens_prefilled = 0  # fed through the model to admit sequences (padding not counted)
+        self.tokens_reused = 0  # of admitted prompts, found in the prefix cache instead
+        self.prefixes = PrefixCache(prefix_cache_tokens)
         self._clear()
 
     def _clear(self) -> None:
@@ -144,6 +149,8 @@ class Engine:
             else:
                 live += 1
                 continue
+            if seq.params.cache_prefix:
+                self._remember(row, seq)
             self.rows[row] = None
         self.tokens_generated += sampled
         if live == 0:
@@ -160,6 +167,17 @@ class Engine:
         seq.sample.finish_reason = reason
         if seq.on_done is not None:
             seq.on_done(seq)
+
+    def _remember(self, row: int, seq: Sequence) -> None:
+        """Keep the row's keys and values (every token but the last sampled, which was never fed) for
+        the request that continues the sequence."""
+        if not self.prefixes.budget:
+            return
+        columns = self.mask[row].nonzero().squeeze(1)
+        fed = tuple(seq.tokens[:-1])
+        if len(columns) == len(fed):
+            self.prefixes.put(fed, [(k[row:row + 1, :, columns], v[row:row + 1, :, columns])
+                                    for k, v in kv.tensors(self.cache)])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
@@ -208,7 +226,20 @@ class Engine:
             self._prefill(batch, [s.prompt for s in batch])
 
     def _prefill(self, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
-        """Run each distinct token list once and give its KV rows to every sequence that has it."""
+        """Admit `seqs`, whose caches hold `token_lists` once prefilled: those that continue a cached
+        prefix feed only the tokens after it, the others their whole lists."""
+        hits = [self.prefixes.take(t) if s.params.cache_prefix else None for s, t in zip(seqs, token_lists)]
+        fresh = [i for i, hit in enumerate(hits) if hit is None]
+        cached = [i for i, hit in enumerate(hits) if hit is not None]
+        if fresh:
+            self._join([seqs[i] for i in fresh], *self._run_fresh([token_lists[i] for i in fresh]))
+        if cached:
+            self._join([seqs[i] for i in cached],
+                       *self._run_cached([token_lists[i] for i in cached], [hits[i] for i in cached]))
+
+    def _run_fresh(self, token_lists: list[list[int]]):
+        """Each distinct token list once (left-padded), its KV rows given to every sequence that has it:
+        (layers, mask, next-token logits, next positions), a row per list."""
         distinct = list(dict.fromkeys(map(tuple, token_lists)))
         index = {t: i for i, t in enumerate(distinct)}
         width = max(len(t) for t in distinct)
@@ -217,11 +248,37 @@ class Engine:
         for row, toks in enumerate(distinct):
             ids[row, width - len(toks):] = torch.tensor(toks)
             mask[row, width - len(toks):] = 1
+        self.tokens_prefilled += sum(map(len, distinct))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long)
         layers, mask = kv.select(kv.tensors(out[self.cache_arg]), mask, rows)
-        logits, positions = out.logits[:, -1][rows], positions[:, -1][rows] + 1
+        return layers, mask, out.logits[:, -1][rows], positions[:, -1][rows] + 1
+
+    def _run_cached(self, token_lists: list[list[int]], hits: list[tuple[int, list]]):
+        """Each list's tokens after its cached prefix, attending to the prefix's keys and values (both
+        left-padded: [pads, prefix, pads, new tokens], the pads masked)."""
+        past = max(n for n, _ in hits)
+        new = [t[n:] for t, (n, _) in zip(token_lists, hits)]
+        width = max(map(len, new))
+        layers = [(torch.cat([kv.left_pad(h[1][i][0], past) for h in hits]),
+                   torch.cat([kv.left_pad(h[1][i][1], past) for h in hits])) for i in range(len(hits[0][1]))]
+        ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(new), past + width), dtype=torch.long)
+        for row, ((n, _), toks) in enumerate(zip(hits, new)):
+            ids[row, width - len(toks):] = torch.tensor(toks)
+            mask[row, past - n:past] = 1
+            mask[row, past + width - len(toks):] = 1
+        positions = torch.tensor([n for n, _ in hits])[:, None] + (mask[:, past:].cumsum(-1) - 1).clamp(min=0)
+        self.tokens_prefilled += sum(map(len, new))
+        self.tokens_reused += sum(n for n, _ in hits)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_arg: kv.build(layers, self.model.config, spare=None)})
+        return kv.tensors(out[self.cache_arg]), mask, out.logits[:, -1], positions[:, -1] + 1
+
+    def _join(self, seqs: list[Sequence], layers: list, mask: torch.Tensor, logits: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Prefilled rows into the running batch."""
         temps = torch.tensor([s.params.temperature for s in seqs])
         top_ps = torch.tensor([s.params.top_p for s in seqs])
         if None in self.rows:  # the cache is copied here anyway: leave the finished rows out
@@ -249,6 +306,8 @@ class Engine:
         if state is not None:
             self.model.load_state_dict(state, strict=False)
         self.version = version
+        if policy != "keep":  # (cached turns were computed under the old weights)
+            self.prefixes.clear()
         running = self.running
         if not running or policy == "keep":
             return

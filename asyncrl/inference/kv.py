@@ -81,7 +81,7 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+def left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     """Pad dim 2 (KV) or the last dim (mask) on the left to `width` with zeros."""
     dim = 2 if x.dim() == 4 else -1
     missing = width - x.shape[dim]
@@ -97,12 +97,12 @@ def concat(a: list, a_mask: torch.Tensor, b: list, b_mask: torch.Tensor):
     width = max(a_mask.shape[1], b_mask.shape[1])
     layers = [
         (
-            torch.cat([_left_pad(ka, width), _left_pad(kb, width)]),
-            torch.cat([_left_pad(va, width), _left_pad(vb, width)]),
+            torch.cat([left_pad(ka, width), left_pad(kb, width)]),
+            torch.cat([left_pad(va, width), left_pad(vb, width)]),
         )
         for (ka, va), (kb, vb) in zip(a, b)
     ]
-    return layers, torch.cat([_left_pad(a_mask, width), _left_pad(b_mask, width)])
+    return layers, torch.cat([left_pad(a_mask, width), left_pad(b_mask, width)])
 
 
 def select(layers: list, mask: torch.Tensor, rows: torch.Tensor):

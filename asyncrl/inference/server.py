@@ -72,7 +72,10 @@ def parse_completion_request(body: dict, vocab_size: int, max_prompt_tokens: int
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise BadRequest(f"'top_p' must be in (0, 1], got {top_p!r}")
     stops = tuple(body.get("stop_token_ids") or ())
-    params = SamplingParams(max_tokens, float(temperature), float(top_p), stops)
+    cache_prefix = body.get("cache_prefix", False)
+    if not isinstance(cache_prefix, bool):
+        raise BadRequest(f"'cache_prefix' must be true or false, got {cache_prefix!r}")
+    params = SamplingParams(max_tokens, float(temperature), float(top_p), stops, cache_prefix)
     return [p for p in prompts for _ in range(n)], params, n
 
 
@@ -187,6 +190,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
             {
                 "tokens_generated": engine.tokens_generated,
                 "tokens_discarded": engine.tokens_discarded,
+                "tokens_prefilled": engine.tokens_prefilled,
+                "tokens_reused": engine.tokens_reused,
                 "busy_seconds": worker.phases.seconds["generate"],
                 "uptime_seconds": time.monotonic() - worker.started,
                 "phases": dict(worker.phases.seconds),
@@ -246,6 +251,7 @@ async def serve(run_dir: Path, index: int = 0) -> None:
         seed=cfg.run.seed + 1000 * incarnation + 1_000_003 * index,  # (replicas: streams of their own)
         max_sequences=cfg.inference.max_batch_sequences,
         max_tokens=cfg.inference.max_batch_tokens,
+        prefix_cache_tokens=cfg.inference.prefix_cache_tokens,
     )
     beats = Heartbeat(run_dir, replica.role(index))
     worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, beats)

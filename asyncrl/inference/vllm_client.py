@@ -64,8 +64,9 @@ class VLLMClient(InferenceClient):
         self.busy_since = now
 
     async def complete(
-        self, prompts, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None
+        self, prompts, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None, cache_prefix=False
     ) -> list[dict]:
+        # (cache_prefix: vLLM caches prefixes by itself, automatic prefix caching)
         await self.updating.wait()
         version = self.current_version
         body = {"model": self.model, "prompt": prompts, "n": n, "max_tokens": max_tokens,

@@ -316,6 +316,9 @@ class Orchestrator:
             "gen_tokens_per_s": generated / max(now - t_prev, 1e-9),
             "inference_busy_seconds": stats["busy_seconds"],
             "tokens_discarded": stats.get("tokens_discarded", 0),
+            # (the built-in engine's, all told: fed to admit requests, and found in its prefix cache)
+            "tokens_prefilled": stats.get("tokens_prefilled", 0),
+            "tokens_reused": stats.get("tokens_reused", 0),
             "inference_idle_seconds": stats["uptime_seconds"] - stats["busy_seconds"],
             "trainer_busy_seconds": marker.pop("busy_seconds"),
             "trainer_idle_seconds": marker.pop("idle_seconds"),
