@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
+from tables import write_rows  # (benchmarks/tables.py)
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
 EXAMPLES = ["examples/agents/guess_tiny.toml", "examples/agents/calculator_tiny.toml"]
 
 
@@ -86,13 +86,7 @@ def main() -> None:
         for budget in (0, 2**16):
             rows.append(measure(example, args.model_dir, budget, args.episodes))
             print(rows[-1], flush=True)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "prefix_cache.json").write_text(json.dumps(rows, indent=1))
-    keys = list(rows[0])
-    md = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                   + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
-    (OUT / "prefix_cache.md").write_text(md + "\n")
-    print(md)
+    write_rows("prefix_cache", rows)
 
 
 if __name__ == "__main__":

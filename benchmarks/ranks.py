@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from scale import model_20m  # (benchmarks/scale.py: the same ~20M policy)
+from tables import write_rows  # (benchmarks/tables.py)
 
 from asyncrl import checkpoint, weights
 from asyncrl.config import load_config
@@ -33,8 +34,6 @@ from asyncrl.objectives import get_objective
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
-
-OUT = Path(__file__).parent / "results"
 
 
 def batch(vocab: int, rows: int, seed: int) -> list[Trajectory]:
@@ -138,13 +137,7 @@ def main() -> None:
     for row in rows:
         one = next(r for r in rows if r["model"] == row["model"] and r["ranks"] == 1)
         row["tokens_per_s_vs_1_rank"] = round(row["train_tokens_per_s"] / one["train_tokens_per_s"], 3)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "ranks.json").write_text(json.dumps(rows, indent=1))
-    keys = list(rows[0])
-    md = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                   + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
-    (OUT / "ranks.md").write_text(md + "\n")
-    print(md)
+    write_rows("ranks", rows)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ Writes benchmarks/results/shared_prefix.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from tables import write_rows  # (benchmarks/tables.py)
 
 from asyncrl.config import load_config
 from asyncrl.model import load_policy
@@ -24,7 +23,6 @@ from asyncrl.objectives import get_objective
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
 
-OUT = Path(__file__).parent / "results"
 SHAPES = {  # name: (prompt length range, own tokens range: the answer, or an episode's later turns)
     "long prompt, short answer": ((90, 110), (1, 3)),
     "uniform": ((15, 25), (15, 25)),
@@ -82,13 +80,7 @@ def main() -> None:
         for row in pair:
             print(row, flush=True)
         rows += pair
-    OUT.mkdir(exist_ok=True)
-    (OUT / "shared_prefix.json").write_text(json.dumps(rows, indent=1))
-    keys = list(rows[0])
-    md = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                   + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
-    (OUT / "shared_prefix.md").write_text(md + "\n")
-    print(md)
+    write_rows("shared_prefix", rows)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-OUT = Path(__file__).parent / "results"
+from tables import write_rows  # (benchmarks/tables.py)
+
 VOCAB = 151_936
 
 
@@ -69,13 +69,7 @@ def main() -> None:
                **json.loads(out.stdout.strip().splitlines()[-1])}
         print(row, flush=True)
         rows.append(row)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "vocab_memory.json").write_text(json.dumps(rows, indent=1))
-    keys = list(rows[0])
-    md = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                   + ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows])
-    (OUT / "vocab_memory.md").write_text(md + "\n")
-    print(md)
+    write_rows("vocab_memory", rows)
 
 
 if __name__ == "__main__":
