@@ -38,12 +38,18 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
 RUNS = OUT / "runs"
 
-# The default CPU job, and a reversal task whose answer lengths are long-tailed (examples/long_tail.py).
+# The default CPU job, a reversal task whose answer lengths are long-tailed (examples/long_tail.py), and
+# sums after a long preamble (examples/long_prompt.py).
 WORKLOADS = {
     "uniform": {"model": "models/tiny-default", "steps": 200, "overrides": []},
     "long_tail": {"model": "models/tiny-reverse", "steps": 120, "overrides": [
         "--task.name", "examples/long_tail.py:reverse_digits", "--rollout.max_tokens", "34",
         "--inference.max_prompt_tokens", "64", "--trainer.lr", "1e-4", "--warmstart.steps", "250",
+    ]},
+    # ~100-token prompts, 1-3-token answers (examples/long_prompt.py): the trainer re-ran each prompt G times
+    "long_prompt": {"model": "models/tiny-long-prompt", "steps": 120, "overrides": [
+        "--task.name", "examples/long_prompt.py:sums_after_preamble", "--task.prompt_format", "question",
+        "--inference.max_prompt_tokens", "320", "--warmstart.steps", "800",
     ]},
 }
 
@@ -168,12 +174,14 @@ def summarize(runs: dict[str, list[dict]], target: float | None) -> dict:
             "samples_per_s": mean([r["samples_per_s"] for r in rs]),
             "train_seconds": mean([r["train_seconds"] for r in rs]), "threads": rs[0]["threads"],
         }
-    for row in rows.values():
+    for row in rows.values():  # (None where a system is missing, or reached the target at its first snapshot)
         row["speedup_vs_trl"] = (
-            rows["trl"]["time_to_target_s"] / row["time_to_target_s"] if "trl" in rows else None
+            rows["trl"]["time_to_target_s"] / row["time_to_target_s"]
+            if "trl" in rows and row["time_to_target_s"] else None
         )
         row["speedup_vs_eta0"] = (
-            rows["η=0"]["time_to_target_s"] / row["time_to_target_s"] if "η=0" in rows else None
+            rows["η=0"]["time_to_target_s"] / row["time_to_target_s"]
+            if "η=0" in rows and row["time_to_target_s"] else None
         )
     return {"start_accuracy": start, "target": target, "equal_time_s": equal_time, "systems": rows}
 

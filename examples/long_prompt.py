@@ -1,0 +1,26 @@
+"""A task of long prompts and short answers: a two-digit sum after a long, irrelevant preamble.
+
+The question opens with an inventory of about 25 made-up items and counts (~100 tokens), different for
+every item, then asks for a sum that does not depend on it: `... | 37+12=` -> `49` (1-3 tokens). Long
+problem statements with short verifiable answers are a common shape of RL post-training data; every
+sample of a group carries the whole prompt, so it is where training a group's shared prompt once
+(asyncrl/trainer/logprobs.py) earns its keep.
+
+    task.name = "examples/long_prompt.py:sums_after_preamble"   task.prompt_format = "question"
+    (the "compact" format would keep only the expression: the sum without its preamble)
+"""
+from __future__ import annotations
+
+import random
+
+ITEMS = ["red", "blue", "green", "gold", "grey", "pink", "teal", "jade", "ruby", "sand", "iron", "salt"]
+PREAMBLE_ITEMS = 25
+
+
+def sums_after_preamble(index: int, seed: int) -> dict:
+    rng = random.Random(f"long-prompt-{seed}-{index}")
+    preamble = ", ".join(f"{rng.choice(ITEMS)} {rng.randint(0, 99)}" for _ in range(PREAMBLE_ITEMS))
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    # (the expression: what the warm start's teacher reads, asyncrl/rewards/teachers.py)
+    return {"question": f"{preamble} | {a}+{b}=", "answer": str(a + b),
+            "metadata": {"expression": f"{a} + {b}"}}
