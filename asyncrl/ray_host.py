@@ -23,6 +23,7 @@ from pathlib import Path
 from asyncrl import heartbeat, weights
 from asyncrl.files import write_atomic
 from asyncrl.inference import replica
+from asyncrl.ports import free_port
 from asyncrl.trajectory import batch_path
 
 NAMESPACE = "asyncrl"
@@ -95,7 +96,7 @@ class RoleHost:
         from asyncrl.trainer.ranks import HOSTED_ENV, RANK_ENV
 
         self._stop_followers()  # a restart: the whole group starts again
-        group_env = {"MASTER_ADDR": ray.util.get_node_ip_address(), "MASTER_PORT": str(_free_port()),
+        group_env = {"MASTER_ADDR": ray.util.get_node_ip_address(), "MASTER_PORT": str(free_port("")),
                      HOSTED_ENV: "1"}
         me, cfg = ray.get_runtime_context().get_actor_name(), self._config()
         for rank in range(1, cfg["trainer"]["ranks"]):
@@ -271,11 +272,6 @@ class RoleHost:
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _claim(path: Path, fresh: bool, overwrite: bool) -> None:

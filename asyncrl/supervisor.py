@@ -81,13 +81,11 @@ def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess
 def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int = 0) -> subprocess.Popen:
     """Replica `index` as vLLM's OpenAI server on loopback; its URL goes to replicas/<index>.json at once
     (the orchestrator waits for /health within timeouts.startup)."""
-    import socket
+    from asyncrl.ports import free_port
 
     port = cfg.inference.port + index if cfg.inference.port else port
     if port == 0:
-        with socket.socket() as s:
-            s.bind((cfg.inference.host, 0))
-            port = s.getsockname()[1]
+        port = free_port(cfg.inference.host)
     cmd = [cfg.inference.vllm_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
            "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",

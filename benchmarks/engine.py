@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
+from asyncrl.ports import free_port
 from asyncrl.rewards.tasks import TaskSource
 
 OUT = Path(__file__).parent / "results"
@@ -69,12 +69,6 @@ def hf_generate(model, tok, ps, lengths) -> float:
     return sum(lengths) / (time.perf_counter() - start)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -85,7 +79,7 @@ def vllm_rate(python: str, model_dir: str, ps, lengths, threads: int) -> float:
     """Start vLLM's OpenAI server on loopback, warm it up, time the workload (concurrent requests)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    port = _free_port()
+    port = free_port()
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ from asyncrl import checkpoint, weights
 from asyncrl.config import load_config
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
+from asyncrl.ports import free_port
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
@@ -115,9 +115,7 @@ def _gather(ranks: Ranks, value: float) -> list[float]:
 
 
 def run(model_path: str, size: int, steps: int, rows: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "out.json")
         mp.spawn(measure, args=(size, port, model_path, steps, rows, out), nprocs=size, join=True)

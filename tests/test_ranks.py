@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from asyncrl.events import read_events
 from asyncrl.launcher import resume
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
+from asyncrl.ports import free_port
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
@@ -82,9 +82,7 @@ def jobs_of_steps(ranks: Ranks, jobs: list[tuple]) -> list:
 def on_two_ranks(tmp_path, fn, *args):
     """`fn(ranks, *args)` on each rank of a group of 2 gloo ranks (fn: a module-level function); rank 0's
     result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "two_ranks.pt")
     mp.spawn(_rank, args=(port, fn, args, out), nprocs=2, join=True)
     return torch.load(out, weights_only=False)

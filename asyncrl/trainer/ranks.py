@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.ports import free_port
 
 RANK_ENV = "ASYNCRL_TRAINER_RANK"
 HOSTED_ENV = "ASYNCRL_TRAINER_RANKS_HOSTED"  # set: the launcher started every rank (Ray: a host per rank)
@@ -143,7 +144,7 @@ def join_group(cfg, run_dir: Path, log=print) -> Ranks:
         return Ranks()
     rank = int(os.environ.get(RANK_ENV, "0"))
     if rank == 0 and not os.environ.get(HOSTED_ENV):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         _start_followers(run_dir, size, log)
     timeout = datetime.timedelta(seconds=cfg.timeouts.batch + cfg.timeouts.step_compute)
     device = cfg.trainer.device
@@ -154,11 +155,6 @@ def join_group(cfg, run_dir: Path, log=print) -> Ranks:
     checkpoints = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeouts.checkpoint))
     return Ranks(rank, size, checkpoints)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_followers(run_dir: Path, size: int, log) -> None:

@@ -23,7 +23,6 @@ contents on arrival.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from asyncrl.access import read_token
 from asyncrl.files import write_atomic
+from asyncrl.ports import free_port
 
 
 def sender_file(run_dir: str | Path) -> Path:
@@ -111,7 +111,7 @@ class Sender:
         if known is not None and known[0] == incarnation:
             return known[1]
         self._drop(replica)
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(),
+        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
                                    world_size=1 + self.workers, rank=0)
         client = HTTPVLLMWeightSyncClient(replica, timeout=self.deadline)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source)
@@ -180,8 +180,3 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # (the trainer's log is for the run, not for every request)
         pass
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
