@@ -66,13 +66,14 @@ class Config(Section):
                 "which vLLM "
                 "does not report; with inference.engine = 'vllm' use update_policy = 'finish'"
             )
-        if self.inference.weight_transfer == "nccl" and not (
-                self.inference.engine == "vllm" and self.trainer.device.startswith("cuda")
-                and self.run.launcher == "local"):
-            raise ValueError(
-                "inference.weight_transfer = 'nccl' broadcasts from a GPU trainer into vLLM replicas: it "
-                f"needs inference.engine = 'vllm' (got {self.inference.engine!r}), trainer.device = 'cuda' "
-                f"(got {self.trainer.device!r}) and run.launcher = 'local' (got {self.run.launcher!r})")
+        if self.inference.weight_transfer == "nccl":
+            unmet = [f"{want} (got {got!r})" for want, got, ok in (
+                ("inference.engine = 'vllm'", self.inference.engine, self.inference.engine == "vllm"),
+                ("trainer.device = 'cuda'", self.trainer.device, self.trainer.device.startswith("cuda")),
+                ("run.launcher = 'local'", self.run.launcher, self.run.launcher == "local")) if not ok]
+            if unmet:
+                raise ValueError("inference.weight_transfer = 'nccl' broadcasts from a GPU trainer into vLLM "
+                                 f"replicas: it also needs {', '.join(unmet)}")
         if self.inference.engine == "vllm" and self.run.launcher == "ray":
             raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
                              "replicas run under the local launcher; docs/distributed.md)")

@@ -22,9 +22,12 @@ NCCL = ["--inference.engine", "vllm", "--inference.update_policy", "finish", "--
 
 def test_nccl_needs_vllm_a_gpu_trainer_and_the_local_launcher():
     load_config(overrides=NCCL)
-    for change in (["--inference.engine", "builtin", "--inference.update_policy", "interrupt"],
-                   ["--trainer.device", "cpu"], ["--run.launcher", "ray"]):
-        with pytest.raises(ConfigError, match="weight_transfer = 'nccl'.*needs inference.engine = 'vllm'"):
+    for change, unmet in (
+            (["--inference.engine", "builtin", "--inference.update_policy", "interrupt"],
+             "needs inference.engine = 'vllm' \\(got 'builtin'\\)$"),
+            (["--trainer.device", "cpu"], "needs trainer.device = 'cuda' \\(got 'cpu'\\)$"),
+            (["--run.launcher", "ray"], "needs run.launcher = 'local' \\(got 'ray'\\)$")):
+        with pytest.raises(ConfigError, match="weight_transfer = 'nccl'.*" + unmet):  # (only what is unmet)
             load_config(overrides=NCCL + change)
 
 
