@@ -12,8 +12,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 # The phases that are a role's own compute; every other phase is the framework's (serialization,
-# transport, bookkeeping) or waiting for another role.
-COMPUTE = {"generate", "score", "recompute", "forward_backward", "optimizer"}
+# transport, bookkeeping) or waiting for another role. recompute_kv is the engine's prefill of its
+# running rows under new weights (update_policy = "interrupt"): model compute the policy asks for.
+COMPUTE = {"generate", "score", "recompute", "recompute_kv", "forward_backward", "optimizer"}
 WAITING = {"wait_batch", "idle"}
 
 

@@ -184,3 +184,32 @@ def test_the_glue_after_a_cut_reply_is_encoded_apart_from_it(bpe_policy):
     assert tok.decode(added) == "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     assert added == tok("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n",
                         add_special_tokens=False)["input_ids"]
+
+
+def test_prompts_encode_as_the_chat_template_and_tokenizer_would(bpe_policy):
+    """The orchestrator renders a prompt by concatenation with the template's frame and calls the Rust
+    encoder directly: the ids must be the template's and the tokenizer's own, and a template that
+    changes the content (here: trims it) must not be framed."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rewards.tasks import _chat_frame, encode_prompt
+
+    def reference(tok, text: str, chat: bool) -> list[int]:
+        if not chat:
+            return tok(text)["input_ids"]
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        return tok(rendered, add_special_tokens=False)["input_ids"]
+
+    texts = ["84-12=", "  spaced out \n", "héllo 🙂\t{{ x }}", "", f"a{IM_END}b", "\n\n"]
+    tok = AutoTokenizer.from_pretrained(bpe_policy)
+    assert _chat_frame(tok) == ("<|im_start|>user\n", f"{IM_END}\n<|im_start|>assistant\n")
+    trimming = AutoTokenizer.from_pretrained(bpe_policy)
+    trimming.chat_template = trimming.chat_template.replace("{{ m.content }}<|im_end|>",
+                                                              "{{ m.content | trim }}<|im_end|>")
+    assert trimming.chat_template != tok.chat_template and _chat_frame(trimming) is None
+    for t in (tok, trimming):
+        for text in texts:
+            for chat in (True, False):
+                assert encode_prompt(t, text, chat) == reference(t, text, chat), (text, chat)
+    assert encode_prompt(trimming, "  x ", True) != encode_prompt(tok, "  x ", True)  # the trim took effect

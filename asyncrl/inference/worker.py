@@ -36,7 +36,7 @@ class Worker:
         self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
         self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
         self.requests: dict[asyncio.Future, list[Sequence]] = {}  # requests being served (engine thread)
-        self.phases = Phases()  # generate, load_weights (engine thread), respond (event loop)
+        self.phases = Phases()  # generate, load_weights, recompute_kv (engine thread), respond (event loop)
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
 
@@ -117,6 +117,7 @@ class Worker:
         def load() -> dict:  # runs at the token boundary where the new weights take over
             with self.phases("load_weights"):
                 how = self._write_weights(body)
+            with self.phases("recompute_kv"):  # model compute: the running rows' caches under the new weights
                 self.engine.reload(None, body["version"], policy)
             return {"version": body["version"], "loaded_from": how}
 

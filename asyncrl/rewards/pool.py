@@ -14,6 +14,7 @@ from asyncrl.fatal import ContractError
 from asyncrl.sections import TaskConfig
 
 STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
+SPLIT_ABOVE_SECONDS = 0.005  # a chunk that scores faster than this goes to one worker whole
 
 
 class VerifierError(RuntimeError):
@@ -84,6 +85,7 @@ class VerifierPool:
         self.workers = workers
         self.idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
         self.cpu_seconds = 0.0  # spent in the verifiers themselves, summed over workers
+        self.items_scored = 0
         for _ in range(workers):
             self.idle.put_nowait(None)
 
@@ -114,10 +116,13 @@ class VerifierPool:
 
     async def score_many(self, items: list[tuple[str, dict]], timeout: float) -> list:
         """The reward of each (completion, entry), or the VerifierError (or ContractError) that stands
-        for it. The items
-        go to the workers in one chunk per worker: one round trip per chunk, not per item (the
-        per-item round trips were a tenth of the orchestrator's CPU)."""
-        size = max(1, -(-len(items) // self.workers))
+        for it. The items go to the workers in one chunk per worker: one round trip per chunk, not per
+        item (the per-item round trips were a tenth of the orchestrator's CPU); to one worker in one
+        chunk when the verifier has proven cheap, since splitting then costs the orchestrator more
+        round trips than it saves in scoring time (other groups keep the other workers busy)."""
+        seconds_per_item = self.cpu_seconds / max(self.items_scored, 1)
+        cheap = self.items_scored >= len(items) and seconds_per_item * len(items) < SPLIT_ABOVE_SECONDS
+        size = len(items) if cheap else max(1, -(-len(items) // self.workers))
         chunks = [items[i: i + size] for i in range(0, len(items), size)]
         return [
             r for part in await asyncio.gather(*(self._score_chunk(c, timeout) for c in chunks)) for r in part
@@ -158,6 +163,7 @@ class VerifierPool:
         finally:
             self.idle.put_nowait(worker)
         self.cpu_seconds += sum(seconds for _, _, seconds in answers)
+        self.items_scored += len(answers)
         return [value if status == "ok" else (ContractError if status == "contract" else VerifierError)(value)
                 for status, value, _ in answers]
 
