@@ -6,6 +6,7 @@
     asyncrl warmstart [CONFIG.toml] [--section.key value ...] build the tiny default policy
     asyncrl report RUN_DIR                                   (re)write a run's plots and table
     asyncrl export RUN_DIR OUT_DIR [--step N]                a checkpoint as a plain HF model directory
+    asyncrl ctl RUN_DIR status | set KEY VALUE | eval        steer a running job (docs/control.md)
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _save_traceback() -> str:
 
 def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "warmstart", "report", "export")
+    commands = ("train", "warmstart", "report", "export", "ctl")
     if not args or args[0] not in commands or args[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
         return 0 if args and args[0] in ("-h", "--help") else 2
@@ -77,6 +78,10 @@ def _main(argv: list[str] | None) -> int:
                 raise ConfigError(f"{rest[0]} is not a run directory with metrics (no metrics.jsonl)")
             print(table(write_report(rest[0])))
             return 0
+        if command == "ctl":
+            from asyncrl import ctl
+
+            return ctl.main(rest)
         if command == "export":
             from asyncrl.checkpoint import export
 

@@ -125,7 +125,7 @@ class Config(Section):
         return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
 
 
-def _parse_value(text: str, key: str = "") -> Any:
+def parse_value(text: str, key: str = "") -> Any:
     """An override value: TOML/JSON literal when it parses as one, else the plain string; always the
     string for a text setting (`--run.name nan` is a name, not a float)."""
     if _is_text(key):
@@ -167,7 +167,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = _parse_value(value, key)
+        node[leaf] = parse_value(value, key)
     return tree
 
 
@@ -181,7 +181,7 @@ def merge_config(base: dict, extra: dict) -> dict:
     return out
 
 
-def _explain(err: ValidationError) -> str:
+def explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
@@ -226,7 +226,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(e)) from None
+        raise ConfigError(explain(e)) from None
 
 
 def save_config(cfg: Config, path: Path) -> None:

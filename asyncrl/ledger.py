@@ -21,7 +21,7 @@ import sqlite3
 from pathlib import Path
 
 from asyncrl import weights
-from asyncrl.trajectory import Trajectory
+from asyncrl.trajectory import Trajectory, read_batch
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS prompts (
@@ -35,6 +35,9 @@ CREATE TABLE IF NOT EXISTS steps (
     metrics TEXT);
 CREATE TABLE IF NOT EXISTS evals (version INTEGER PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS changes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, value TEXT NOT NULL,
+    requested_at REAL NOT NULL, step INTEGER);
 """
 
 
@@ -157,6 +160,33 @@ class Ledger:
         )
         return digest
 
+    # --- live changes (asyncrl/live.py) ---------------------------------------------------
+    def request_change(self, key: str, value, at: float) -> int:
+        """A live change, pending until the orchestrator schedules it at a step; returns its id."""
+        with self.db:
+            cur = self.db.execute("INSERT INTO changes (key, value, requested_at) VALUES (?, ?, ?)",
+                                  (key, json.dumps(value), at))
+        return cur.lastrowid
+
+    def schedule_changes(self, step: int) -> list[tuple[str, object]]:
+        """Every pending change takes effect at `step` (atomically); returns them as (key, value)."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            pending = self.db.execute("SELECT key, value FROM changes WHERE step IS NULL ORDER BY id")
+            pending = pending.fetchall()
+            self.db.execute("UPDATE changes SET step = ? WHERE step IS NULL", (step,))
+        return [(key, json.loads(value)) for key, value in pending]
+
+    def changes(self) -> list[dict]:
+        """Every change in the order made: id, key, value, requested_at, step (None while pending)."""
+        rows = self.db.execute("SELECT id, key, value, requested_at, step FROM changes ORDER BY id")
+        return [{"id": i, "key": k, "value": json.loads(v), "requested_at": t, "step": s}
+                for i, k, v, t, s in rows]
+
+    def scheduled_changes(self) -> list[tuple[int, str, object]]:
+        """(step, key, value) of the changes that have taken effect, in the order made."""
+        return [(c["step"], c["key"], c["value"]) for c in self.changes() if c["step"] is not None]
+
     def batched_steps(self) -> list[int]:
         return [r[0] for r in self.db.execute("SELECT step FROM steps ORDER BY step")]
 
@@ -204,8 +234,17 @@ class Ledger:
         )
 
 
+def _staleness_bounds(db, initial: int):
+    """step -> the max_staleness in force when it was assembled (live changes included)."""
+    has_changes = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone()
+    changes = db.execute("SELECT step, value FROM changes WHERE key = 'rollout.max_staleness' AND "
+                         "step IS NOT NULL ORDER BY id").fetchall() if has_changes else []
+    return lambda step: ([initial] + [json.loads(v) for at, v in changes if at <= step])[-1]
+
+
 def audit(run_dir: str | Path, max_staleness: int) -> dict:
-    """Counts that prove nothing was lost or used twice; `problems` lists every violation found."""
+    """Counts that prove nothing was lost or used twice; `problems` lists every violation found.
+    `max_staleness`: the run's configured bound (live changes to it are read from the ledger)."""
     db = sqlite3.connect(f"file:{ledger_path(run_dir)}?mode=ro", uri=True)
     count = lambda sql, args=(): db.execute(sql, args).fetchone()[0]  # noqa: E731
     states = dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
@@ -234,9 +273,9 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
     holes = count("SELECT MAX(prompt_id) + 1 - COUNT(*) FROM prompts") or 0
     if holes:
         problems.append(f"{holes} prompt ids between 0 and the cursor were never dispatched")
-    stale = count(
-        "SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND step - oldest_version > ?", (max_staleness,)
-    )
+    bounds = _staleness_bounds(db, max_staleness)
+    trained = db.execute("SELECT step, oldest_version FROM samples WHERE step IS NOT NULL")
+    stale = sum(1 for step, oldest in trained if step - oldest > bounds(step))
     if stale:
         problems.append(f"{stale} trained samples exceed max_staleness = {max_staleness}")
     for step, digest in db.execute("SELECT step, digest FROM steps").fetchall():
@@ -248,8 +287,7 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
             problems.append(f"version {step + 1} was trained on a batch other than the ledger's batch {step}")
     out["stale_samples_trained"] = stale
     # what the trainer actually read: no sample may be in two batch files
-    ids = [json.loads(line)["id"] for f in sorted((Path(run_dir) / "batches").glob("step_*.jsonl"))
-           for line in f.read_text().splitlines() if line.strip()]
+    ids = [t.id for f in sorted((Path(run_dir) / "batches").glob("step_*.jsonl")) for t in read_batch(f)]
     out["trained_twice"] = len(ids) - len(set(ids))
     if out["trained_twice"]:
         problems.append(f"{out['trained_twice']} samples appear in more than one batch")

@@ -33,10 +33,12 @@ from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.ledger import Ledger
+from asyncrl.live import settings_at, with_settings
+from asyncrl.orchestrator import control
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
-from asyncrl.orchestrator.records import batch_stats, profile
+from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
 from asyncrl.orchestrator.staleness import StalenessGate
@@ -46,12 +48,11 @@ from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import BadTaskRow, load_tasks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
-MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a marker's fields, not metrics
-
 
 class Orchestrator:
     def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool, link):
         self.cfg, self.run_dir, self.router, self.tokenizer = cfg, run_dir, router, tokenizer
+        self.base_cfg, self.settings = cfg, {}  # the run's config; live changes in force (asyncrl/live.py)
         self.link = link  # to the trainer: asyncrl/orchestrator/trainer_link.py
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
@@ -86,6 +87,7 @@ class Orchestrator:
         self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
         batched = led.batched_steps()
         self.next_step = len(batched)
+        self._use_settings(settings_at(led.scheduled_changes(), self.next_step))
         if isinstance(self.advantages, RunningBaseline):
             self.advantages.value = led.get("baseline")
         for step in batched:  # a crash between the ledger and the file: write it again
@@ -106,6 +108,19 @@ class Orchestrator:
             self.events.write("orchestrator_resumed", served_version=self.router.version, cursor=self.cursor,
                               reissued=len(self.reissue), ready_groups=len(self.ready),
                               next_step=self.next_step, committed_through=self.committed_through)
+
+    def _use_settings(self, settings: dict) -> None:
+        """Live settings in force from here on: read where they are used, through self.cfg."""
+        self.settings, self.cfg = settings, with_settings(self.base_cfg, settings)
+        self.gate.max_staleness = self.cfg.rollout.max_staleness
+        if self.evaluator:
+            self.evaluator.cfg = self.cfg
+        if self.agents:
+            self.agents.limits.max_tokens_per_turn = self.cfg.rollout.max_tokens
+
+    def evaluate_now(self) -> int:
+        self.evals.append(asyncio.create_task(self.evaluate()))
+        return self.router.version
 
     def _now(self) -> float:
         return time.time() - self.started_at
@@ -223,7 +238,11 @@ class Orchestrator:
     async def assemble(self) -> None:
         per_step = self.cfg.rollout.prompts_per_step
         for step in range(self.next_step, self.cfg.run.steps):
-            dropped = 0
+            self.next_step, dropped = step, 0
+            changed = self.ledger.schedule_changes(step)  # (pending changes take effect with this batch)
+            if changed:
+                self._use_settings({**self.settings, **dict(changed)})
+                self.events.write("settings_changed", step=step, changes=dict(changed))
             batch: list[list[Trajectory]] = []
             while len(batch) < per_step:
                 await self._wait_for(lambda: bool(self.ready), self.cfg.timeouts.train_step,
@@ -254,7 +273,7 @@ class Orchestrator:
         they are rescaled per task, so a batch rewritten after a crash is the same batch)."""
         if self.cfg.rollout.task_normalization:
             normalize_per_task(trajs)
-        write_batch(self.run_dir, step, trajs)
+        write_batch(self.run_dir, step, trajs, settings_at(self.ledger.scheduled_changes(), step))
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
@@ -303,31 +322,12 @@ class Orchestrator:
             f"{self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", failed)
 
     async def _step_record(self, version: int, marker: dict) -> dict:
-        now = time.monotonic()
-        stats = await self.router.stats()
-        t_prev, tok_prev = self.last_gen
-        tokens = stats["tokens_generated"]
+        now, stats = time.monotonic(), await self.router.stats()
+        (t_prev, tok_prev), tokens = self.last_gen, stats["tokens_generated"]
         self.last_gen = (now, tokens)
         # (0 across a restart, whose counter starts again)
         generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0
-        return {
-            "step": version - 1, "version": version, "time": self._now(),
-            **self.ledger.step_stats(version - 1),
-            "gen_tokens_per_s": generated / max(now - t_prev, 1e-9),
-            "inference_busy_seconds": stats["busy_seconds"],
-            "tokens_discarded": stats.get("tokens_discarded", 0),
-            # (the built-in engine's, all told: fed to admit requests, and found in its prefix cache)
-            "tokens_prefilled": stats.get("tokens_prefilled", 0),
-            "tokens_reused": stats.get("tokens_reused", 0),
-            "inference_idle_seconds": stats["uptime_seconds"] - stats["busy_seconds"],
-            "trainer_busy_seconds": marker.pop("busy_seconds"),
-            "trainer_idle_seconds": marker.pop("idle_seconds"),
-            "orchestrator_cpu_seconds": time.process_time(),
-            **profile(stats, self.phases, self.verifiers, self.cpu_at_start, self.up_since),
-            "in_flight_groups": len(self.in_flight), "ready_groups": len(self.ready),
-            "replicas_routed": stats["replicas_routed"],
-            **{k: v for k, v in marker.items() if k not in MARKER_IDS},
-        }
+        return step_record(self, version, marker, stats, generated / max(now - t_prev, 1e-9))
 
     async def evaluate(self) -> None:
         """Held-out greedy accuracy under the version served; a failure ends the role, as a rollout's does."""
@@ -351,6 +351,7 @@ class Orchestrator:
             proxy, self.agents.proxy_url = await start_proxy(self.agents.sessions, self.cfg.model.path)
             self.events.write("proxy_started", url=self.agents.proxy_url)
         follow = asyncio.create_task(self.follow())
+        api = await control.serve(self)
         try:
             done, _ = await asyncio.wait([follow, *loops], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -361,6 +362,7 @@ class Orchestrator:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await control.close(api, self.run_dir)
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()

@@ -52,3 +52,29 @@ def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_sinc
         "time/orchestrator/uptime": time.monotonic() - up_since,
         "time/verifiers/score": verifiers.cpu_seconds,
     }
+
+
+MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a marker's fields, not metrics
+
+
+def step_record(orch, version: int, marker: dict, stats: dict, gen_tokens_per_s: float) -> dict:
+    """The metrics record of version `version`: the batch's statistics, the trainer's marker, the
+    inference server's counters and where each role's time went."""
+    return {
+        "step": version - 1, "version": version, "time": orch._now(),
+        **orch.ledger.step_stats(version - 1),
+        "gen_tokens_per_s": gen_tokens_per_s,
+        "inference_busy_seconds": stats["busy_seconds"],
+        "tokens_discarded": stats.get("tokens_discarded", 0),
+        # (the built-in engine's, all told: fed to admit requests, and found in its prefix cache)
+        "tokens_prefilled": stats.get("tokens_prefilled", 0),
+        "tokens_reused": stats.get("tokens_reused", 0),
+        "inference_idle_seconds": stats["uptime_seconds"] - stats["busy_seconds"],
+        "trainer_busy_seconds": marker.pop("busy_seconds"),
+        "trainer_idle_seconds": marker.pop("idle_seconds"),
+        "orchestrator_cpu_seconds": time.process_time(),
+        **profile(stats, orch.phases, orch.verifiers, orch.cpu_at_start, orch.up_since),
+        "in_flight_groups": len(orch.in_flight), "ready_groups": len(orch.ready),
+        "replicas_routed": stats["replicas_routed"],
+        **{k: v for k, v in marker.items() if k not in MARKER_IDS},
+    }

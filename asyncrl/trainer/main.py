@@ -25,12 +25,13 @@ from asyncrl.fatal import FatalError, run_role
 from asyncrl.files import poll
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.ledger import batch_digest
+from asyncrl.live import with_settings
 from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
 from asyncrl.profile import Phases
 from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step
-from asyncrl.trajectory import batch_path, read_batch
+from asyncrl.trajectory import batch_path, read_batch, read_settings
 
 
 def lr_schedule(cfg):
@@ -48,6 +49,16 @@ def lr_schedule(cfg):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
 
     return factor
+
+
+def use_lr(optimizer, scheduler, lr: float) -> None:
+    """trainer.lr in force at this step: a live change sets the base the schedule's factor multiplies,
+    from this step on (the scheduler's state, and so a checkpoint, holds the base)."""
+    if scheduler.base_lrs[0] != lr:
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
 
 
 def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heartbeat) -> Path:
@@ -181,6 +192,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
 
         sender = Sender(cfg, run_dir)
         sender.publish(setup.first_step, state)
+    keep = 0  # weight versions kept on disk (finish_version)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
     if leader:
@@ -193,13 +205,15 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
         with phases("wait_batch"):
             path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat) if leader else None
         with phases("read_batch"):
-            trajs = ranks.broadcast(read_batch(path) if leader else None)
+            trajs, settings = ranks.broadcast((read_batch(path), read_settings(path)) if leader else None)
+        step_cfg = with_settings(cfg, settings)  # the live changes in force at this step (asyncrl/live.py)
+        use_lr(optimizer, scheduler, step_cfg.trainer.lr)
         t1 = time.monotonic()
         # (a long step is not a hung one)
         with heartbeat.through(cfg.timeouts.step_compute) if leader else contextlib.nullcontext():
-            metrics = train_step(model, optimizer, objective, trajs, step, cfg, setup.tokenizer.pad_token_id,
-                                 setup.ref_model, phases, ranks)
-        metrics["lr"] = scheduler.get_last_lr()[0]
+            metrics = train_step(model, optimizer, objective, trajs, step, step_cfg,
+                                 setup.tokenizer.pad_token_id, setup.ref_model, phases, ranks)
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
         check_finite(model, step, metrics, ranks)
         scheduler.step()
         t2 = time.monotonic()
@@ -225,7 +239,10 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
         if sender is not None:  # (before the marker that announces the version)
             sender.publish(step + 1, state)
         if leader:
-            finish_version(run_dir, cfg, step, state, metrics, phases, started, events)
+            # the server may be up to η + 1 versions behind, and must still find the one it serves
+            # (η may have changed live: keep the most it has been)
+            keep = max(keep, step_cfg.trainer.keep_weight_versions, step_cfg.rollout.max_staleness + 2)
+            finish_version(run_dir, keep, step, state, metrics, phases, started, events)
             heartbeat.beat()
     writer.wait()
     if leader:
@@ -234,9 +251,10 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
               f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
 
 
-def finish_version(run_dir: Path, cfg, step: int, state: dict, metrics: dict, phases: Phases,
+def finish_version(run_dir: Path, keep: int, step: int, state: dict, metrics: dict, phases: Phases,
                    started: float, events: EventLog) -> None:
-    """Publish version step + 1 with the step's metrics and the trainer's time so far; prune old versions."""
+    """Publish version step + 1 with the step's metrics and the trainer's time so far; keep the last
+    `keep` versions."""
     with phases("publish"):
         uptime = time.monotonic() - started
         metrics.update(
@@ -246,8 +264,6 @@ def finish_version(run_dir: Path, cfg, step: int, state: dict, metrics: dict, ph
             idle_seconds=phases.seconds["wait_batch"],
         )
         publish_version(run_dir, step + 1, state, metrics, events)
-        # the server may be up to η + 1 versions behind, and must still find the one it serves
-        keep = max(cfg.trainer.keep_weight_versions, cfg.rollout.max_staleness + 2)
         weights.prune(run_dir, step + 1, keep)
 
 

@@ -1,0 +1,70 @@
+"""`asyncrl ctl RUN_DIR ...`: steer a running job through its control API
+(asyncrl/orchestrator/control.py), on loopback with the run's token.
+
+    asyncrl ctl RUN_DIR status              step, version served, live settings, changes made
+    asyncrl ctl RUN_DIR set KEY VALUE       a live change, in force from the next batch (asyncrl/live.py)
+    asyncrl ctl RUN_DIR eval                a held-out evaluation of the version served, now
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from asyncrl.access import read_token
+from asyncrl.config import ConfigError
+from asyncrl.orchestrator.control import control_file
+
+DEADLINE = 10.0  # seconds for the job to answer
+
+
+def request(run_dir: str | Path, method: str, path: str, body: dict | None = None) -> dict:
+    """The control API's answer; ConfigError saying why there is none (not running, refused, silent)."""
+    where = control_file(run_dir)
+    if not where.exists():
+        raise ConfigError(f"{run_dir}: no job is running there (no {where.name}: the orchestrator writes it "
+                          "while it runs)")
+    url = json.loads(where.read_text())["url"]
+    token = read_token(run_dir)
+    if token is None:
+        raise ConfigError(f"{run_dir}: the run has no token file; the control API needs it")
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        message = json.loads(e.read() or b"{}").get("error", e.reason)
+        raise ConfigError(f"the job refused: {message}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(f"the job's control API at {url} did not answer ({reason}); the orchestrator may "
+                          "be restarting (try again) or the run has ended") from None
+
+
+def main(args: list[str]) -> int:
+    if len(args) < 2 or args[1] not in ("status", "set", "eval") or (args[1] == "set") != (len(args) == 4):
+        raise ConfigError("usage: asyncrl ctl RUN_DIR status | set KEY VALUE | eval")
+    run_dir, command = args[0], args[1]
+    if command == "status":
+        print(describe(request(run_dir, "GET", "/status")))
+    elif command == "set":
+        answer = request(run_dir, "POST", "/set", {"key": args[2], "value": args[3]})
+        print(f"{answer['key']} = {answer['value']!r}: recorded (change {answer['id']}), in force from the "
+              f"next batch assembled (step {answer['from_step']})")
+    else:
+        version = request(run_dir, "POST", "/eval")["version"]
+        print(f"evaluating version {version} (metrics.jsonl has the result)")
+    return 0
+
+
+def describe(status: dict) -> str:
+    lines = [f"step {status['step']} of {status['steps']}, version {status['served_version']} served, "
+             f"{status['in_flight_groups']} groups generating, {status['ready_groups']} ready"]
+    lines += [f"  {key} = {value!r}" for key, value in status["settings"].items()]
+    for c in status["changes"]:
+        when = f"from step {c['step']}" if c["step"] is not None else "pending"
+        lines.append(f"  change {c['id']}: {c['key']} = {c['value']!r} ({when})")
+    return "\n".join(lines)

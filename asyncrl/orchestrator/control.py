@@ -1,0 +1,95 @@
+"""The running job's control API: HTTP on loopback, the run's token on every request. `asyncrl ctl`
+(asyncrl/ctl.py) is its client.
+
+    GET  /status            the step being assembled, the version served, the live settings in force,
+                            every change made (with the step it took effect at, or pending)
+    POST /set {key, value}  a live change (asyncrl/live.py), `value` as on the command line: recorded
+                            in the ledger at once, in force from the next batch assembled
+    POST /eval              a held-out evaluation of the version served, now
+
+The orchestrator serves it (it owns the ledger and the step boundaries); its address is in
+RUN_DIR/control.json while it runs. A restarted orchestrator serves it again on a new port.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from asyncrl.access import read_token
+from asyncrl.config import ConfigError
+from asyncrl.files import write_atomic
+from asyncrl.live import LIVE_KEYS, check_change, setting, with_settings
+
+
+def control_file(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "control.json"
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def make_app(orch) -> web.Application:
+    token = read_token(orch.run_dir)
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if not token or request.headers.get("Authorization") != f"Bearer {token}":
+            return _error(401, "the control API needs the run's token "
+                               "(Authorization: Bearer, from RUN_DIR/token)")
+        return await handler(request)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "step": orch.next_step, "steps": orch.cfg.run.steps, "served_version": orch.router.version,
+            "in_flight_groups": len(orch.in_flight), "ready_groups": len(orch.ready),
+            "settings": {k: setting(orch.cfg, k) for k in LIVE_KEYS}, "changes": orch.ledger.changes(),
+        })
+
+    async def set_setting(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body must be JSON: {\"key\": ..., \"value\": ...}")
+        key, text = (body.get("key"), body.get("value")) if isinstance(body, dict) else (None, None)
+        if not isinstance(key, str) or not isinstance(text, str):
+            return _error(400, "the body must be {\"key\": \"section.name\", \"value\": \"text\"}")
+        pending = {c["key"]: c["value"] for c in orch.ledger.changes() if c["step"] is None}
+        try:  # against the settings the change will meet: those in force plus the pending ones
+            value = check_change(with_settings(orch.cfg, pending), key, text)
+        except ConfigError as e:
+            return _error(400, str(e))
+        change_id = orch.ledger.request_change(key, value, orch._now())
+        orch.events.write("change_requested", id=change_id, key=key, value=value)
+        # (the batch being assembled has its settings: the change is scheduled with the next one)
+        return web.json_response({"id": change_id, "key": key, "value": value,
+                                  "from_step": orch.next_step + 1})
+
+    async def evaluate(request: web.Request) -> web.Response:
+        if orch.evaluator is None:
+            return _error(409, "this run has no held-out evaluation (task.eval_size = 0)")
+        return web.json_response({"version": orch.evaluate_now()})
+
+    app = web.Application(middlewares=[check])
+    app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate)])
+    return app
+
+
+async def serve(orch) -> web.AppRunner:
+    """Start the API on a free loopback port and say where in control.json."""
+    runner = web.AppRunner(make_app(orch), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    address = {"url": f"http://127.0.0.1:{port}", "pid": os.getpid()}
+    write_atomic(control_file(orch.run_dir), json.dumps(address))
+    return runner
+
+
+async def close(runner: web.AppRunner, run_dir: Path) -> None:
+    control_file(run_dir).unlink(missing_ok=True)
+    await runner.cleanup()

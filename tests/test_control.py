@@ -1,0 +1,120 @@
+"""Steering a running job: live changes over the control API, recorded in the ledger with the step
+they took effect at, and replayed by a restarted or resumed run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import job_config
+from test_recovery import RUN, assert_nothing_lost, cli_args
+
+from asyncrl import ctl
+from asyncrl.chaos import pid_of, steps_recorded
+from asyncrl.config import ConfigError, load_config, read_run_config
+from asyncrl.events import read_events
+from asyncrl.files import poll
+from asyncrl.ledger import Ledger
+from asyncrl.live import LIVE_KEYS, check_change, settings_at, with_settings
+from asyncrl.orchestrator.control import control_file
+from asyncrl.trainer.main import lr_schedule
+from asyncrl.trajectory import Trajectory, batch_path, read_batch, read_settings, write_batch
+
+
+def test_a_change_is_checked_against_the_live_keys_and_the_config_rules():
+    cfg = load_config()
+    assert check_change(cfg, "trainer.lr", "5e-5") == 5e-5
+    assert check_change(cfg, "rollout.max_staleness", "0") == 0
+    with pytest.raises(ConfigError, match="cannot change while the run goes on; live keys: trainer.lr"):
+        check_change(cfg, "model.path", "elsewhere")
+    with pytest.raises(ConfigError, match="trainer.lr = -1"):
+        check_change(cfg, "trainer.lr", "-1")
+    with pytest.raises(ConfigError, match="rollout.max_tokens"):
+        check_change(cfg, "rollout.max_tokens", "many")
+    with pytest.raises(ConfigError, match="without a KL anchor"):
+        check_change(cfg, "objective.kl_coef", "0.1")
+    anchored = with_settings(cfg, {"objective.kl_coef": 0.05})
+    assert check_change(anchored, "objective.kl_coef", "0.1") == 0.1 and set(LIVE_KEYS) >= {"task.eval_every"}
+    # what was in force at a step: the latest change scheduled at or before it
+    changes = [(3, "trainer.lr", 1e-5), (3, "rollout.max_tokens", 4), (7, "trainer.lr", 2e-5)]
+    assert settings_at(changes, 2) == {}
+    assert settings_at(changes, 5) == {"trainer.lr": 1e-5, "rollout.max_tokens": 4}
+    assert settings_at(changes, 7) == {"trainer.lr": 2e-5, "rollout.max_tokens": 4}
+
+
+def test_changes_are_pending_until_scheduled_and_batches_carry_theirs(tmp_path):
+    ledger = Ledger(tmp_path)
+    first = ledger.request_change("trainer.lr", 1e-5, at=1.0)
+    ledger.request_change("rollout.max_staleness", 3, at=2.0)
+    assert [c["step"] for c in ledger.changes()] == [None, None]
+    assert ledger.schedule_changes(5) == [("trainer.lr", 1e-5), ("rollout.max_staleness", 3)]
+    assert ledger.schedule_changes(6) == []  # each change is scheduled once
+    assert ledger.scheduled_changes() == [(5, "trainer.lr", 1e-5), (5, "rollout.max_staleness", 3)]
+    assert ledger.changes()[0]["id"] == first
+    ledger.close()
+    sample = Trajectory(id="0-0", group_id="0", task="t", prompt_id=0, tokens=[1, 2], loss_mask=[0, 1],
+                        logprobs=[0.0, -0.5], versions=[-1, 4])
+    write_batch(tmp_path, 5, [sample], {"trainer.lr": 1e-5})
+    write_batch(tmp_path, 4, [sample])
+    assert read_settings(batch_path(tmp_path, 5)) == {"trainer.lr": 1e-5}
+    assert read_settings(batch_path(tmp_path, 4)) == {}
+    assert [t.id for t in read_batch(batch_path(tmp_path, 5))] == ["0-0"]
+
+
+def _status(run_dir) -> dict:
+    return ctl.request(run_dir, "GET", "/status")
+
+
+@pytest.mark.e2e
+def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
+    """lr and η are changed mid-run; the trainer and the orchestrator are SIGKILLed after the change,
+    the run is SIGTERMed and resumed: every step trained under the settings in force at it (restarted
+    trainers replay their versions bit-identically), every sample once, none staler than its step's η."""
+    cfg = job_config(tmp_path, tiny_model, **RUN)
+    run_dir = cfg.run_dir
+    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
+        poll(started, 300, "the run to start")
+        url = json.loads(control_file(run_dir).read_text())["url"]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no token, no answer
+            urllib.request.urlopen(url + "/status", timeout=10)
+        assert refused.value.code == 401
+        with pytest.raises(ConfigError, match="live keys"):
+            ctl.request(run_dir, "POST", "/set", {"key": "rollout.group_size", "value": "8"})
+        ctl.request(run_dir, "POST", "/set", {"key": "trainer.lr", "value": "3e-5"})
+        ctl.request(run_dir, "POST", "/set", {"key": "rollout.max_staleness", "value": "2"})
+        changed_at = poll(lambda: _status(run_dir)["changes"][-1]["step"], 120, "the changes to take effect")
+        assert [c["step"] for c in _status(run_dir)["changes"]] == [changed_at, changed_at]
+        assert _status(run_dir)["settings"]["trainer.lr"] == 3e-5
+        poll(lambda: steps_recorded(run_dir) >= changed_at + 3, 300, "steps after the change")
+        for role in ("trainer", "orchestrator"):
+            os.kill(pid_of(run_dir, role), signal.SIGKILL)
+        poll(lambda: steps_recorded(run_dir) >= 20, 300, "the restarted roles to go on")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out[-3000:]
+    finally:
+        proc.kill()
+    resumed = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+
+    events = read_events(run_dir)
+    assert {e["target"] for e in events if e["event"] == "role_restarted"} >= {"trainer", "orchestrator"}
+    assert all(e["identical"] for e in events if e["event"] == "version_replayed")
+    assert [e["step"] for e in events if e["event"] == "settings_changed"] == [changed_at]  # scheduled once
+    factor = lr_schedule(read_run_config(run_dir))
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "lr" in record:
+            base = 3e-5 if record["step"] >= changed_at else cfg.trainer.lr
+            assert record["lr"] == pytest.approx(base * factor(record["step"]), rel=1e-9), record["step"]
+    for step in range(cfg.run.steps):
+        expected = {"trainer.lr": 3e-5, "rollout.max_staleness": 2} if step >= changed_at else {}
+        assert read_settings(batch_path(run_dir, step)) == expected
+    assert_nothing_lost(run_dir)  # (the audit holds each step to the η in force at it)
