@@ -170,12 +170,11 @@ class Ledger:
 
     def schedule_changes(self, step: int) -> list[tuple[str, object]]:
         """Every pending change takes effect at `step` (atomically); returns them as (key, value)."""
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
-            pending = self.db.execute("SELECT key, value FROM changes WHERE step IS NULL ORDER BY id")
-            pending = pending.fetchall()
-            self.db.execute("UPDATE changes SET step = ? WHERE step IS NULL", (step,))
-        return [(key, json.loads(value)) for key, value in pending]
+        pending = self.db.execute("SELECT id, key, value FROM changes WHERE step IS NULL ORDER BY id")
+        pending = pending.fetchall()
+        if pending:  # (the orchestrator is the only writer: nothing is added between the read and this)
+            self._tx([("UPDATE changes SET step = ? WHERE id = ?", (step, i)) for i, _, _ in pending])
+        return [(key, json.loads(value)) for _, key, value in pending]
 
     def changes(self) -> list[dict]:
         """Every change in the order made: id, key, value, requested_at, step (None while pending)."""
