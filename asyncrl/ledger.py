@@ -233,6 +233,21 @@ class Ledger:
         )
 
 
+def read_changes(run_dir: str | Path) -> list[dict]:
+    """The run's scheduled live changes (step, key, value), read-only; [] for a ledger without any."""
+    path = ledger_path(run_dir)
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone():
+            return []
+        rows = db.execute("SELECT step, key, value FROM changes WHERE step IS NOT NULL ORDER BY id")
+        return [{"step": step, "key": key, "value": json.loads(value)} for step, key, value in rows]
+    finally:
+        db.close()
+
+
 def _staleness_bounds(db, initial: int):
     """step -> the max_staleness in force when it was assembled (live changes included)."""
     has_changes = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone()

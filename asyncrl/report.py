@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from asyncrl.config import read_run_config
+from asyncrl.ledger import read_changes
 from asyncrl.profile import COMPUTE, WAITING
 
 
@@ -114,7 +115,9 @@ def plot_profile(ax, roles: dict[str, dict[str, float]]) -> None:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the bars, not over them
 
 
-def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
+def plot(steps: list[dict], evals: list[dict], path: Path, title: str, changes: list[dict] = ()) -> None:
+    """Reward and accuracy, staleness, throughput, the time profile; live changes (asyncrl ctl) as
+    dotted lines at the step they took effect."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,12 +162,27 @@ def plot(steps: list[dict], evals: list[dict], path: Path, title: str) -> None:
     ax.plot(t, [r.get("train_tokens_per_s", 0) for r in steps], label="training tok/s")
     ax.set(xlabel="wall time (s)", ylabel="tokens/s", title="throughput")
     ax.legend()
+    mark_changes(axes[:3], steps, changes)
     if roles:
         plot_profile(axes[3], roles)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def mark_changes(axes, steps: list[dict], changes: list[dict]) -> None:
+    """A dotted line where each live change took effect: at its step's time on the time axes (the first
+    and third), at its step on the staleness axis, labelled with what changed."""
+    when = {r["step"]: r["time"] for r in steps}
+    for change in changes:
+        if change["step"] not in when:
+            continue
+        label = f"{change['key'].split('.')[-1]}={change['value']:g}"
+        for ax, x in zip(axes, (when[change["step"]], change["step"], when[change["step"]])):
+            ax.axvline(x, color="gray", ls=":", lw=1)
+            ax.annotate(label, (x, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        va="top", ha="right", color="dimgray")
 
 
 def table(summary: dict) -> str:
@@ -192,7 +210,7 @@ def write_report(run_dir: str | Path) -> dict:
             f"inference {cfg.role_threads('inference')} / trainer {cfg.role_threads('trainer')}"
         )
     if steps:
-        plot(steps, evals, run_dir / "report.png", f"asyncrl run {run_dir.name}")
+        plot(steps, evals, run_dir / "report.png", f"asyncrl run {run_dir.name}", read_changes(run_dir))
     roles = profile(steps[-1]) if steps else {}
     (run_dir / "report.md").write_text(
         f"# Run {run_dir.name}\n\n![curves](report.png)\n\n{table(summary)}"

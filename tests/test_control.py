@@ -118,3 +118,28 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
         expected = {"trainer.lr": 3e-5, "rollout.max_staleness": 2} if step >= changed_at else {}
         assert read_settings(batch_path(run_dir, step)) == expected
     assert_nothing_lost(run_dir)  # (the audit holds each step to the η in force at it)
+
+
+def test_the_report_marks_each_change_where_it_took_effect(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncrl.ledger import read_changes
+    from asyncrl.report import mark_changes
+
+    assert read_changes(tmp_path) == []  # no ledger: no changes
+    ledger = Ledger(tmp_path)
+    ledger.request_change("trainer.lr", 3e-5, at=1.0)
+    ledger.schedule_changes(2)
+    ledger.request_change("rollout.max_staleness", 2, at=2.0)  # pending: not on the report
+    ledger.close()
+    changes = read_changes(tmp_path)
+    assert changes == [{"step": 2, "key": "trainer.lr", "value": 3e-5}]
+    steps = [{"step": s, "time": 10.0 * s} for s in range(4)]
+    fig, axes = plt.subplots(1, 3)
+    mark_changes(axes, steps, changes)
+    assert [[line.get_xdata()[0] for line in ax.lines] for ax in axes] == [[20.0], [2], [20.0]]
+    assert axes[1].texts[0].get_text() == "lr=3e-05"
+    plt.close(fig)
