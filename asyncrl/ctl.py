@@ -4,6 +4,8 @@
     asyncrl ctl RUN_DIR status              step, version served, live settings, changes made
     asyncrl ctl RUN_DIR set KEY VALUE       a live change, in force from the next batch (asyncrl/live.py)
     asyncrl ctl RUN_DIR eval                a held-out evaluation of the version served, now
+    asyncrl ctl RUN_DIR checkpoint          the trainer checkpoints after the next batch
+    asyncrl ctl RUN_DIR stop                the run ends after the next batch (final checkpoint, report)
 """
 from __future__ import annotations
 
@@ -44,19 +46,25 @@ def request(run_dir: str | Path, method: str, path: str, body: dict | None = Non
                           "be restarting (try again) or the run has ended") from None
 
 
+COMMANDS = ("status", "set", "eval", "checkpoint", "stop")
+
+
 def main(args: list[str]) -> int:
-    if len(args) < 2 or args[1] not in ("status", "set", "eval") or (args[1] == "set") != (len(args) == 4):
-        raise ConfigError("usage: asyncrl ctl RUN_DIR status | set KEY VALUE | eval")
+    if len(args) < 2 or args[1] not in COMMANDS or (args[1] == "set") != (len(args) == 4) or len(args) > 4:
+        raise ConfigError("usage: asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop")
     run_dir, command = args[0], args[1]
     if command == "status":
         print(describe(request(run_dir, "GET", "/status")))
-    elif command == "set":
-        answer = request(run_dir, "POST", "/set", {"key": args[2], "value": args[3]})
-        print(f"{answer['key']} = {answer['value']!r}: recorded (change {answer['id']}), in force from the "
-              f"next batch assembled (step {answer['from_step']})")
-    else:
+    elif command == "eval":
         version = request(run_dir, "POST", "/eval")["version"]
         print(f"evaluating version {version} (metrics.jsonl has the result)")
+    else:
+        body = {"key": args[2], "value": args[3]} if command == "set" else None
+        answer = request(run_dir, "POST", f"/{command}", body)
+        what = {"set": f"{answer['key']} = {answer['value']!r}", "checkpoint": "a checkpoint",
+                "stop": f"stop (run.steps = {answer['value']})"}[command]
+        print(f"{what}: recorded (change {answer['id']}), in force from the next batch assembled "
+              f"(step {answer['from_step']})")
     return 0
 
 

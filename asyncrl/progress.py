@@ -105,7 +105,7 @@ class Progress:
         s = self.step
         ev = f" | eval {self.eval['eval_accuracy']:.1%}@v{self.eval['eval_version']}" if self.eval else ""
         line = (
-            f"step {s['step'] + 1}/{self.steps} | reward {s.get('reward', 0):.3f} "
+            f"step {s['step'] + 1}/{s.get('steps', self.steps)} | reward {s.get('reward', 0):.3f} "
             f"| acc {s.get('accuracy', 0):.1%}{ev}"
             f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
             f" | gen {s.get('gen_tokens_per_s', 0):.0f} tok/s"

@@ -46,30 +46,30 @@ def batch_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "batches" / f"step_{step:06d}.jsonl"
 
 
-def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory], settings: dict | None = None
-                ) -> Path:
+def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory], settings: dict | None = None,
+                actions: list[str] = ()) -> Path:
     """Atomically: the trainer never sees a half-written batch. `settings`: the live settings in force
-    at this step (asyncrl/live.py), a first line of their own, written only when there are any."""
+    at this step, `actions`: what the trainer is asked to do after it (asyncrl/live.py); a first line
+    of their own, written only when there are any."""
     path = batch_path(run_dir, step)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
-        if settings:
-            f.write(orjson.dumps({"settings": settings}).decode() + "\n")
+        if settings or actions:
+            f.write(orjson.dumps({"settings": settings or {}, "actions": list(actions)}).decode() + "\n")
         for t in trajectories:
             f.write(t.to_json() + "\n")
     return path
 
 
-SETTINGS_LINE = '{"settings"'
+HEADER = '{"settings"'
 
 
 def read_batch(path: str | Path) -> list[Trajectory]:
     with open(path) as f:
-        return [Trajectory.from_json(line) for line in f
-                if line.strip() and not line.startswith(SETTINGS_LINE)]
+        return [Trajectory.from_json(line) for line in f if line.strip() and not line.startswith(HEADER)]
 
 
-def read_settings(path: str | Path) -> dict:
-    """The live settings a batch was assembled under ({} when none was changed)."""
+def read_header(path: str | Path) -> dict:
+    """{"settings": the live settings the batch was assembled under, "actions": for the trainer}."""
     with open(path) as f:
         first = f.readline()
-    return orjson.loads(first)["settings"] if first.startswith(SETTINGS_LINE) else {}
+    return orjson.loads(first) if first.startswith(HEADER) else {"settings": {}, "actions": []}

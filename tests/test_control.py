@@ -17,32 +17,42 @@ from asyncrl.chaos import pid_of, steps_recorded
 from asyncrl.config import ConfigError, load_config, read_run_config
 from asyncrl.events import read_events
 from asyncrl.files import poll
-from asyncrl.ledger import Ledger
-from asyncrl.live import LIVE_KEYS, check_change, settings_at, with_settings
+from asyncrl.ledger import Ledger, audit
+from asyncrl.live import LIVE_KEYS, actions_at, check_change, settings_at, with_settings
 from asyncrl.orchestrator.control import control_file
 from asyncrl.trainer.main import lr_schedule
-from asyncrl.trajectory import Trajectory, batch_path, read_batch, read_settings, write_batch
+from asyncrl.trajectory import Trajectory, batch_path, read_batch, read_header, write_batch
 
 
 def test_a_change_is_checked_against_the_live_keys_and_the_config_rules():
-    cfg = load_config()
-    assert check_change(cfg, "trainer.lr", "5e-5") == 5e-5
-    assert check_change(cfg, "rollout.max_staleness", "0") == 0
+    cfg = load_config()  # 200 steps
+    assert check_change(cfg, "trainer.lr", "5e-5", 10) == 5e-5
+    assert check_change(cfg, "rollout.max_staleness", "0", 10) == 0
     with pytest.raises(ConfigError, match="cannot change while the run goes on; live keys: trainer.lr"):
-        check_change(cfg, "model.path", "elsewhere")
+        check_change(cfg, "model.path", "elsewhere", 10)
     with pytest.raises(ConfigError, match="trainer.lr = -1"):
-        check_change(cfg, "trainer.lr", "-1")
+        check_change(cfg, "trainer.lr", "-1", 10)
     with pytest.raises(ConfigError, match="rollout.max_tokens"):
-        check_change(cfg, "rollout.max_tokens", "many")
+        check_change(cfg, "rollout.max_tokens", "many", 10)
     with pytest.raises(ConfigError, match="without a KL anchor"):
-        check_change(cfg, "objective.kl_coef", "0.1")
+        check_change(cfg, "objective.kl_coef", "0.1", 10)
     anchored = with_settings(cfg, {"objective.kl_coef": 0.05})
-    assert check_change(anchored, "objective.kl_coef", "0.1") == 0.1 and set(LIVE_KEYS) >= {"task.eval_every"}
+    assert check_change(anchored, "objective.kl_coef", "0.1", 10) == 0.1
+    assert set(LIVE_KEYS) >= {"task.eval_every", "run.steps"}
+    # run.steps: the batch the change is scheduled with is trained, so the run ends after it at the soonest
+    assert check_change(cfg, "run.steps", "11", 10) == 11 and check_change(cfg, "run.steps", "500", 10) == 500
+    with pytest.raises(ConfigError, match="after 11 steps at the earliest"):
+        check_change(cfg, "run.steps", "10", 10)
+    with pytest.raises(ConfigError, match="assembled its last batch"):  # nothing would take effect
+        check_change(cfg, "trainer.lr", "5e-5", 200)
     # what was in force at a step: the latest change scheduled at or before it
     changes = [(3, "trainer.lr", 1e-5), (3, "rollout.max_tokens", 4), (7, "trainer.lr", 2e-5)]
     assert settings_at(changes, 2) == {}
     assert settings_at(changes, 5) == {"trainer.lr": 1e-5, "rollout.max_tokens": 4}
     assert settings_at(changes, 7) == {"trainer.lr": 2e-5, "rollout.max_tokens": 4}
+    changes.append((5, "checkpoint", True))  # an action: done at its step only, never a setting
+    assert actions_at(changes, 5) == ["checkpoint"] and actions_at(changes, 6) == []
+    assert "checkpoint" not in settings_at(changes, 9)
 
 
 def test_changes_are_pending_until_scheduled_and_batches_carry_theirs(tmp_path):
@@ -57,10 +67,11 @@ def test_changes_are_pending_until_scheduled_and_batches_carry_theirs(tmp_path):
     ledger.close()
     sample = Trajectory(id="0-0", group_id="0", task="t", prompt_id=0, tokens=[1, 2], loss_mask=[0, 1],
                         logprobs=[0.0, -0.5], versions=[-1, 4])
-    write_batch(tmp_path, 5, [sample], {"trainer.lr": 1e-5})
+    write_batch(tmp_path, 5, [sample], {"trainer.lr": 1e-5}, ["checkpoint"])
     write_batch(tmp_path, 4, [sample])
-    assert read_settings(batch_path(tmp_path, 5)) == {"trainer.lr": 1e-5}
-    assert read_settings(batch_path(tmp_path, 4)) == {}
+    header = read_header(batch_path(tmp_path, 5))
+    assert header == {"settings": {"trainer.lr": 1e-5}, "actions": ["checkpoint"]}
+    assert read_header(batch_path(tmp_path, 4)) == {"settings": {}, "actions": []}
     assert [t.id for t in read_batch(batch_path(tmp_path, 5))] == ["0-0"]
 
 
@@ -116,8 +127,44 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
             assert record["lr"] == pytest.approx(base * factor(record["step"]), rel=1e-9), record["step"]
     for step in range(cfg.run.steps):
         expected = {"trainer.lr": 3e-5, "rollout.max_staleness": 2} if step >= changed_at else {}
-        assert read_settings(batch_path(run_dir, step)) == expected
+        assert read_header(batch_path(run_dir, step))["settings"] == expected
     assert_nothing_lost(run_dir)  # (the audit holds each step to the η in force at it)
+
+
+@pytest.mark.e2e
+def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp_path):
+    """run.steps 28 -> 40 and a checkpoint asked for early on; past step 28 the run is stopped: it ends
+    after the batch the stop was scheduled with, checkpointed there, everything it trained committed."""
+    cfg = job_config(tmp_path, tiny_model, **RUN)
+    run_dir = cfg.run_dir
+    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
+        poll(started, 300, "the run to start")
+        longer = ctl.request(run_dir, "POST", "/set", {"key": "run.steps", "value": "40"})
+        asked = ctl.request(run_dir, "POST", "/checkpoint")
+        poll(lambda: steps_recorded(run_dir) >= 30, 300, "the run to go past its first length")
+        stop = ctl.request(run_dir, "POST", "/stop")
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        proc.kill()
+    lengthen, checkpoint, stopped = Ledger(run_dir).changes()
+    assert (lengthen["key"], lengthen["value"], checkpoint["key"]) == ("run.steps", 40, "checkpoint")
+    assert lengthen["step"] == checkpoint["step"] < 28
+    end = stop["value"]
+    assert (stopped["key"], stopped["value"], stopped["step"]) == ("run.steps", end, end - 1)
+    assert 30 < end < 40
+    assert stop["from_step"] == end - 1 and f"/{end} " in out and "step 40/" not in out
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "step" in r}
+    assert sorted(records) == list(range(end))  # trained exactly to the stop
+    assert "checkpoint_stall_seconds" in records[asked["from_step"]]  # the checkpoint asked for
+    report = audit(run_dir, cfg.rollout.max_staleness)
+    assert report["problems"] == [] and report["steps"] == report["steps_committed"] == end
+    assert report["samples_by_state"]["committed"] == end * 8 * 4
+    assert report["samples_by_state"].get("batched", 0) == 0 and longer["value"] == 40
 
 
 def test_the_report_marks_each_change_where_it_took_effect(tmp_path):

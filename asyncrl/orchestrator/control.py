@@ -6,6 +6,8 @@
     POST /set {key, value}  a live change (asyncrl/live.py), `value` as on the command line: recorded
                             in the ledger at once, in force from the next batch assembled
     POST /eval              a held-out evaluation of the version served, now
+    POST /checkpoint        the trainer checkpoints after the next batch scheduled (recorded like a change)
+    POST /stop              the run ends after the next batch scheduled: run.steps = its step + 1
 
 The orchestrator serves it (it owns the ledger and the step boundaries); its address is in
 RUN_DIR/control.json while it runs. A restarted orchestrator serves it again on a new port.
@@ -21,7 +23,7 @@ from aiohttp import web
 from asyncrl.access import read_token
 from asyncrl.config import ConfigError
 from asyncrl.files import write_atomic
-from asyncrl.live import LIVE_KEYS, check_change, setting, with_settings
+from asyncrl.live import LIVE_KEYS, check_change, check_open, setting, with_settings
 
 
 def control_file(run_dir: str | Path) -> Path:
@@ -49,6 +51,24 @@ def make_app(orch) -> web.Application:
             "settings": {k: setting(orch.cfg, k) for k in LIVE_KEYS}, "changes": orch.ledger.changes(),
         })
 
+    def pending() -> dict:
+        changes = orch.ledger.changes()
+        return {c["key"]: c["value"] for c in changes if c["step"] is None and c["key"] in LIVE_KEYS}
+
+    def record(key: str, value) -> web.Response:
+        change_id = orch.ledger.request_change(key, value, orch._now())
+        orch.events.write("change_requested", id=change_id, key=key, value=value)
+        # (the batch being assembled has its settings: the change is scheduled with the next one)
+        return web.json_response({"id": change_id, "key": key, "value": value,
+                                  "from_step": orch.next_step + 1})
+
+    def checked(key: str, text: str) -> web.Response:
+        try:  # against the settings the change will meet: those in force plus the pending ones
+            value = check_change(with_settings(orch.cfg, pending()), key, text, orch.next_step + 1)
+        except ConfigError as e:
+            return _error(400, str(e))
+        return record(key, value)
+
     async def set_setting(request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -57,16 +77,18 @@ def make_app(orch) -> web.Application:
         key, text = (body.get("key"), body.get("value")) if isinstance(body, dict) else (None, None)
         if not isinstance(key, str) or not isinstance(text, str):
             return _error(400, "the body must be {\"key\": \"section.name\", \"value\": \"text\"}")
-        pending = {c["key"]: c["value"] for c in orch.ledger.changes() if c["step"] is None}
-        try:  # against the settings the change will meet: those in force plus the pending ones
-            value = check_change(with_settings(orch.cfg, pending), key, text)
+        return checked(key, text)
+
+    async def stop(request: web.Request) -> web.Response:
+        """The run ends after the batch the request is scheduled with: run.steps = that step + 1."""
+        return checked("run.steps", str(orch.next_step + 2))
+
+    async def checkpoint_now(request: web.Request) -> web.Response:
+        try:
+            check_open(with_settings(orch.cfg, pending()), orch.next_step + 1)
         except ConfigError as e:
             return _error(400, str(e))
-        change_id = orch.ledger.request_change(key, value, orch._now())
-        orch.events.write("change_requested", id=change_id, key=key, value=value)
-        # (the batch being assembled has its settings: the change is scheduled with the next one)
-        return web.json_response({"id": change_id, "key": key, "value": value,
-                                  "from_step": orch.next_step + 1})
+        return record("checkpoint", True)
 
     async def evaluate(request: web.Request) -> web.Response:
         if orch.evaluator is None:
@@ -74,7 +96,8 @@ def make_app(orch) -> web.Application:
         return web.json_response({"version": orch.evaluate_now()})
 
     app = web.Application(middlewares=[check])
-    app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate)])
+    app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate),
+                    web.post("/stop", stop), web.post("/checkpoint", checkpoint_now)])
     return app
 
 

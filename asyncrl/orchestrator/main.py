@@ -33,7 +33,7 @@ from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.ledger import Ledger
-from asyncrl.live import settings_at, with_settings
+from asyncrl.live import LIVE_KEYS, actions_at, settings_at, with_settings
 from asyncrl.orchestrator import control
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
@@ -152,8 +152,8 @@ class Orchestrator:
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
         limit = self.cfg.rollout.max_concurrent_groups
-        needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step
         while True:
+            needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
             await self._wait_for(
                 lambda: self.assembled or (len(self.in_flight) < limit and (bool(self.reissue) or (
                     self.gate.admitted < needed and self.gate.can_admit(self.router.version)))),
@@ -237,11 +237,12 @@ class Orchestrator:
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
         per_step = self.cfg.rollout.prompts_per_step
-        for step in range(self.next_step, self.cfg.run.steps):
+        step = self.next_step
+        while step < self.cfg.run.steps:  # (run.steps is live; a change to it never ends this batch)
             self.next_step, dropped = step, 0
             changed = self.ledger.schedule_changes(step)  # (pending changes take effect with this batch)
             if changed:
-                self._use_settings({**self.settings, **dict(changed)})
+                self._use_settings({**self.settings, **{k: v for k, v in changed if k in LIVE_KEYS}})
                 self.events.write("settings_changed", step=step, changes=dict(changed))
             batch: list[list[Trajectory]] = []
             while len(batch) < per_step:
@@ -265,6 +266,7 @@ class Orchestrator:
             with self.phases("write_batch"):
                 self._write_batch(step, trajs)
                 await self.link.deliver(step)
+            step += 1
         self.assembled = True
         await self._notify()
 
@@ -273,13 +275,16 @@ class Orchestrator:
         they are rescaled per task, so a batch rewritten after a crash is the same batch)."""
         if self.cfg.rollout.task_normalization:
             normalize_per_task(trajs)
-        write_batch(self.run_dir, step, trajs, settings_at(self.ledger.scheduled_changes(), step))
+        changes = self.ledger.scheduled_changes()
+        write_batch(self.run_dir, step, trajs, settings_at(changes, step), actions_at(changes, step))
 
     # --- follow -------------------------------------------------------------------------
     async def follow(self) -> None:
         if self.router.version == 0 and self.evaluator:
             self.evals.append(asyncio.create_task(self.evaluate()))
-        for version in range(self.router.version + 1, self.cfg.run.steps + 1):
+        version = self.router.version
+        while version < self.cfg.run.steps:  # (run.steps is live: read at every version)
+            version += 1
             marker = await self._wait_for_version(version)
             await self.router.load(version, marker)
             record = await self._step_record(version, marker)

@@ -62,6 +62,7 @@ def step_record(orch, version: int, marker: dict, stats: dict, gen_tokens_per_s:
     inference server's counters and where each role's time went."""
     return {
         "step": version - 1, "version": version, "time": orch._now(),
+        "steps": orch.cfg.run.steps,  # (the run's length: live, asyncrl ctl RUN stop / set run.steps)
         **orch.ledger.step_stats(version - 1),
         "gen_tokens_per_s": gen_tokens_per_s,
         "inference_busy_seconds": stats["busy_seconds"],

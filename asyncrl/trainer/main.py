@@ -31,7 +31,7 @@ from asyncrl.objectives import get_objective
 from asyncrl.profile import Phases
 from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step
-from asyncrl.trajectory import batch_path, read_batch, read_settings
+from asyncrl.trajectory import batch_path, read_batch, read_header
 
 
 def lr_schedule(cfg):
@@ -148,6 +148,7 @@ class Setup:
     first_step: int
     ref_model: torch.nn.Module | None
     published: list[str]  # names of the published weights (tied weights once), from the unsharded model
+    settings: dict  # the live settings in force at the checkpoint resumed from (asyncrl/live.py)
 
 
 def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
@@ -165,13 +166,13 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
-    first_step = 0
+    first_step, settings = 0, {}
     if resumed is not None:
         checkpoint.load_optimizer(resumed["path"], model, optimizer, ranks.checkpoint_group)
         scheduler.load_state_dict(resumed["scheduler"])
         torch.set_rng_state(resumed["rng"])
-        first_step = resumed["step"]
-    return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published)
+        first_step, settings = resumed["step"], resumed.get("settings", {})
+    return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published, settings)
 
 
 def train(run_dir: Path, cfg, ranks: Ranks) -> None:
@@ -195,18 +196,21 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     keep = 0  # weight versions kept on disk (finish_version)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
+    # run.steps is live: the latest batch read (or the checkpoint) says how many
+    step, steps = setup.first_step, with_settings(cfg, setup.settings).run.steps
     if leader:
-        events.write("trainer_ready", step=setup.first_step, ranks=ranks.size)
+        events.write("trainer_ready", step=step, ranks=ranks.size)
         print(f"trainer: {ranks.size} rank(s) x {torch.get_num_threads()} threads, objective "
-              f"{cfg.objective.import_path or cfg.objective.name}, steps {setup.first_step}..{cfg.run.steps}",
-              flush=True)
-    for step in range(setup.first_step, cfg.run.steps):
+              f"{cfg.objective.import_path or cfg.objective.name}, steps {step}..{steps}", flush=True)
+    while step < steps:
         t0 = time.monotonic()
         with phases("wait_batch"):
             path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat) if leader else None
         with phases("read_batch"):
-            trajs, settings = ranks.broadcast((read_batch(path), read_settings(path)) if leader else None)
-        step_cfg = with_settings(cfg, settings)  # the live changes in force at this step (asyncrl/live.py)
+            batch = (read_batch(path), read_header(path)) if leader else None
+            trajs, header = ranks.broadcast(batch)
+        step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (asyncrl/live.py)
+        steps = step_cfg.run.steps
         use_lr(optimizer, scheduler, step_cfg.trainer.lr)
         t1 = time.monotonic()
         # (a long step is not a hung one)
@@ -230,9 +234,11 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                 weights.save_patch(run_dir, step + 1, patch)
                 served = new
                 metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
-        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.run.steps:
+        asked = "checkpoint" in header["actions"]  # (asyncrl ctl RUN checkpoint)
+        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == steps or asked:
             with phases("checkpoint"):
-                trainer_state = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}
+                trainer_state = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                                 "settings": header["settings"]}
                 metrics["checkpoint_stall_seconds"] = writer.save(
                     step + 1, state, model.config.to_dict(), trainer_state,
                     checkpoint.optimizer_state(model, optimizer))
@@ -244,10 +250,11 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
             keep = max(keep, step_cfg.trainer.keep_weight_versions, step_cfg.rollout.max_staleness + 2)
             finish_version(run_dir, keep, step, state, metrics, phases, started, events)
             heartbeat.beat()
+        step += 1
     writer.wait()
     if leader:
         busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
-        print(f"trainer: done, {cfg.run.steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
+        print(f"trainer: done, {steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
               f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
 
 
