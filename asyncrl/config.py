@@ -243,6 +243,8 @@ RESUMABLE_KEYS = (
     "run.warm_spare",
     "run.launcher",
     "run.ray_",
+    "run.sinks",  # (where records are copied to, not what they are)
+    "run.wandb_",
     "inference.replicas",
     "inference.ray_resources",
     "trainer.ray_resources",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.sections import ModelConfig
+from asyncrl.sinks import check_installed
 
 DEFAULT_MODEL = ModelConfig().path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -45,6 +46,7 @@ def check_inputs(cfg: Config, log=print) -> None:
             load_agent(path)
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
+    check_installed(cfg)  # (the metric sinks asked for)
     if cfg.run.launcher == "ray":
         try:
             import ray  # noqa: F401

@@ -38,6 +38,11 @@ class RunConfig(Section):
     # (a disk or mounted bucket the trainer's node can write) holds them in <storage>/<name>/checkpoints,
     # and under Ray the trainer's whole directory, so the trainer may run on any node (docs/distributed.md)
     storage: str = ""
+    # where the records go besides metrics.jsonl (asyncrl/sinks.py): "tensorboard" (RUN_DIR/tensorboard),
+    # "wandb" (online when this machine is logged in to W&B, else offline in RUN_DIR/wandb)
+    sinks: list[Literal["tensorboard", "wandb"]] = []
+    wandb_project: str = "asyncrl"
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
 
     @field_validator("storage")
     @classmethod

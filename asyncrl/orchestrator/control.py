@@ -14,6 +14,7 @@ RUN_DIR/control.json while it runs. A restarted orchestrator serves it again on 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -93,7 +94,8 @@ def make_app(orch) -> web.Application:
     async def evaluate(request: web.Request) -> web.Response:
         if orch.evaluator is None:
             return _error(409, "this run has no held-out evaluation (task.eval_size = 0)")
-        return web.json_response({"version": orch.evaluate_now()})
+        orch.evals.append(asyncio.create_task(orch.evaluate()))
+        return web.json_response({"version": orch.router.version})
 
     app = web.Application(middlewares=[check])
     app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate),

@@ -46,6 +46,7 @@ from asyncrl.orchestrator.trainer_link import trainer_link
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import BadTaskRow, load_tasks
+from asyncrl.sinks import Sinks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
 
@@ -65,6 +66,7 @@ class Orchestrator:
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
+        self.sinks = Sinks(cfg, run_dir, self.events)  # TensorBoard, W&B: the records metrics.jsonl gets
         self.heartbeat = Heartbeat(run_dir, "orchestrator")
         router.version = self.ledger.get("served_version", 0)
         self.breaker = Breaker(cfg.rollout.max_failed_samples, cfg.timeouts.no_accepted_sample)
@@ -118,16 +120,13 @@ class Orchestrator:
         if self.agents:
             self.agents.limits.max_tokens_per_turn = self.cfg.rollout.max_tokens
 
-    def evaluate_now(self) -> int:
-        self.evals.append(asyncio.create_task(self.evaluate()))
-        return self.router.version
-
     def _now(self) -> float:
         return time.time() - self.started_at
 
     def _write_metrics(self, record: dict) -> None:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
+        self.sinks.write(record)
 
     def _fail(self, error: Exception) -> None:
         """The role ends with the first failure (groups finishing meanwhile may fail again: the breaker's
@@ -368,6 +367,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await control.close(api, self.run_dir)
+            self.sinks.close()
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()
