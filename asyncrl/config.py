@@ -245,6 +245,7 @@ RESUMABLE_KEYS = (
     "run.ray_",
     "run.sinks",  # (where records are copied to, not what they are)
     "run.wandb_",
+    "run.log_level",
     "inference.replicas",
     "inference.ray_resources",
     "trainer.ray_resources",

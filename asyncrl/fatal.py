@@ -9,6 +9,8 @@ the run at once with that sentence on the console instead of restarting the role
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 import traceback
@@ -41,8 +43,27 @@ def read_failure(run_dir: str | Path) -> dict | None:
         return None
 
 
+def configure_logging(run_dir: str | Path) -> None:
+    """A role's messages go to its log (stdout) at `run.log_level` and above; other libraries' at
+    warnings and above, whatever the level (their info is request-by-request noise)."""
+    from asyncrl.config import read_run_config
+
+    try:
+        level = read_run_config(run_dir).run.log_level.upper()
+    except Exception:  # (the config is checked where it is read for real; say everything until then)
+        level = "INFO"
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, force=True,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("asyncrl").setLevel(level)
+    if level not in ("DEBUG", "INFO"):  # Hugging Face's loading bars: off, whether imported yet or not
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def run_role(role: str, run_dir: str | Path, main: Callable[[], None]) -> None:
     """Run a role's main; a FatalError ends the process with FATAL_EXIT after saying why."""
+    configure_logging(run_dir)
     try:
         main()
     except FatalError as e:

@@ -96,8 +96,7 @@ def launch(cfg: Config, run_dir: Path, log=print, fresh: bool = False) -> None:
             time.sleep(0.2)
     finally:
         progress.poll(final=True)  # (what happened last: the drops that tripped the breaker, say)
-        if progress.tty:
-            print()
+        progress.close()
         # a second Ctrl-C or SIGTERM while the roles stop would leave them half-stopped: it waits
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:

@@ -1,5 +1,6 @@
-"""The console while a run goes: one live line from metrics.jsonl, and a line for each kind of drop
-or fallback in events.jsonl as it happens (the first at once, then its count every EVENT_EVERY s)."""
+"""The console while a run goes: a live progress bar from metrics.jsonl (rich, on a terminal; a plain
+line per ~5% of the run in a log), and a line for each kind of drop or fallback in events.jsonl as it
+happens (the first at once, then its count every EVENT_EVERY s)."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,12 @@ class Progress:
         self.example: dict[tuple[str, str], str] = {}
         self.shown: dict[tuple[str, str], tuple[int, float]] = {}  # kind -> (count shown, when)
         self.tty = self.out.isatty()
+        self.bar = _bar(self.out) if self.tty else None
+        self.task = self.bar.add_task("run", total=steps, line="starting") if self.bar else None
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
 
     def poll(self, final: bool = False) -> None:
         """Show what is new; `final`: every count that changed since it was last shown, however recently."""
@@ -96,25 +103,34 @@ class Progress:
                 + (f" — e.g. {example[:160]}" if example else "") + " (events.jsonl)")
 
     def _say(self, line: str) -> None:
-        """A line of its own above the live one."""
-        print(("\r" + line.ljust(120)) if self.tty else line, file=self.out, flush=True)
-        if self.tty and self.step:
-            self.show()
+        """A line of its own (above the bar, on a terminal)."""
+        if self.bar:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.out, flush=True)
 
     def show(self) -> None:
         s = self.step
         ev = f" | eval {self.eval['eval_accuracy']:.1%}@v{self.eval['eval_version']}" if self.eval else ""
-        line = (
-            f"step {s['step'] + 1}/{s.get('steps', self.steps)} | reward {s.get('reward', 0):.3f} "
-            f"| acc {s.get('accuracy', 0):.1%}{ev}"
+        steps = s.get("steps", self.steps)  # (run.steps is live)
+        numbers = (
+            f"reward {s.get('reward', 0):.3f} | acc {s.get('accuracy', 0):.1%}{ev}"
             f" | stale {s.get('staleness_mean', 0):.2f} (max {s.get('staleness_max', 0)})"
             f" | gen {s.get('gen_tokens_per_s', 0):.0f} tok/s"
             f" | train {s.get('train_tokens_per_s', 0):.0f} tok/s"
-            f" | {s.get('time', 0):.0f}s"
         )
-        print(
-            ("\r" + line.ljust(120)) if self.tty else line,
-            end="" if self.tty else "\n",
-            file=self.out,
-            flush=True,
-        )
+        if self.bar:
+            self.bar.update(self.task, completed=s["step"] + 1, total=steps, line=numbers)
+        else:
+            line = f"step {s['step'] + 1}/{steps} | {numbers} | {s.get('time', 0):.0f}s"
+            print(line, file=self.out, flush=True)
+
+
+def _bar(out):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24), TimeElapsedColumn(),
+                   TextColumn("{task.fields[line]}"), console=Console(file=out), refresh_per_second=4)
+    bar.start()
+    return bar

@@ -43,6 +43,8 @@ class RunConfig(Section):
     sinks: list[Literal["tensorboard", "wandb"]] = []
     wandb_project: str = "asyncrl"
     wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    # what the roles write to their logs (runs/NAME/logs/): "warning" keeps only what went wrong
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("storage")
     @classmethod

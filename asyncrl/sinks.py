@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import netrc
 import os
 from pathlib import Path
@@ -123,6 +124,6 @@ class Sinks:
     def _drop(self, name: str, error: Exception, doing: str) -> None:
         self.open.pop(name, None)
         message = f"{type(error).__name__}: {error}"
-        print(f"orchestrator: the {name} sink failed to {doing} ({message}); the run goes on without it",
-              flush=True)
+        logging.getLogger("asyncrl.sinks").warning(
+            f"orchestrator: the {name} sink failed to {doing} ({message}); the run goes on without it")
         self.events.write("sink_failed", sink=name, doing=doing, error=message)

@@ -36,7 +36,7 @@ def main(run_dir: str) -> None:
     from asyncrl.supervisor import command
 
     warm_up(Path(run_dir))
-    print("standby: warm", flush=True)
+    print("standby: warm", flush=True)  # (the supervisor reads this line: not a log message)
     line = sys.stdin.readline()
     if not line:
         return

@@ -129,6 +129,7 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
         expected = {"trainer.lr": 3e-5, "rollout.max_staleness": 2} if step >= changed_at else {}
         assert read_header(batch_path(run_dir, step))["settings"] == expected
     assert_nothing_lost(run_dir)  # (the audit holds each step to the η in force at it)
+    assert " INFO trainer: done, 28 steps" in (run_dir / "logs" / "trainer.log").read_text()  # (level info)
 
 
 @pytest.mark.e2e

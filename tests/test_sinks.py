@@ -1,5 +1,6 @@
-"""Metric sinks: TensorBoard and W&B get the records metrics.jsonl gets; a missing one is refused
-before the run, a failing one is dropped while the run goes on."""
+"""Where a run's numbers and messages go: TensorBoard and W&B get the records metrics.jsonl gets (a
+missing one is refused before the run, a failing one is dropped while the run goes on); the roles'
+logs hold what `run.log_level` lets through."""
 import json
 
 import pytest
@@ -15,7 +16,8 @@ from asyncrl.launcher import train
 def test_tensorboard_and_wandb_get_every_record(tiny_model, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    sinks_on = {"run.sinks": '["tensorboard", "wandb"]', "run.wandb_mode": "offline"}
+    sinks_on = {"run.sinks": '["tensorboard", "wandb"]', "run.wandb_mode": "offline",
+                "run.log_level": "warning"}
     cfg = job_config(tmp_path, tiny_model, **{"run.steps": 6, "task.eval_every": 3, **sinks_on})
     run_dir = train(cfg, log=lambda *a, **k: None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -32,6 +34,9 @@ def test_tensorboard_and_wandb_get_every_record(tiny_model, tmp_path):
     assert [e.step for e in accuracy] == [e["eval_version"] for e in evals]
     assert [e.value for e in accuracy] == pytest.approx([e["eval_accuracy"] for e in evals], rel=1e-6)
     assert "time/trainer/forward_backward" in board.Tags()["scalars"]
+
+    for role in ("trainer", "orchestrator", "inference-0"):  # warnings only: nothing went wrong, nothing said
+        assert (run_dir / "logs" / f"{role}.log").read_text() == "", role
 
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
@@ -63,7 +68,7 @@ class Failing:
         pass
 
 
-def test_a_failing_sink_is_dropped_once_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+def test_a_failing_sink_is_dropped_once_and_the_others_go_on(tmp_path, monkeypatch, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setitem(sinks.KINDS, "wandb", Failing)
@@ -75,7 +80,7 @@ def test_a_failing_sink_is_dropped_once_and_the_others_go_on(tmp_path, monkeypat
     failed = [e for e in read_events(tmp_path) if e["event"] == "sink_failed"]
     assert [(e["sink"], e["doing"]) for e in failed] == [("wandb", "write")]
     assert "No space left on device" in failed[0]["error"]
-    assert capsys.readouterr().out.count("the wandb sink failed") == 1
+    assert [r.levelname for r in caplog.records if "the wandb sink failed" in r.message] == ["WARNING"]
     board = EventAccumulator(str(tmp_path / "tensorboard"))
     board.Reload()
     assert [(e.step, e.value) for e in board.Scalars("reward")] == [(0, 0.5), (1, 1.5), (2, 2.5)]

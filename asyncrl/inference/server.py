@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -35,12 +36,15 @@ from aiohttp import web
 from asyncrl import weights
 from asyncrl.access import LOOPBACK, ensure_token, inside
 from asyncrl.config import read_run_config
+from asyncrl.fatal import configure_logging
 from asyncrl.files import write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference import replica
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.model import load_policy
+
+log = logging.getLogger("asyncrl.inference")
 
 
 class BadRequest(ValueError):
@@ -232,7 +236,7 @@ async def _bind(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
     except OSError:
         if port == 0:
             raise
-        print(f"inference: port {port} is taken; picking a free one", flush=True)
+        log.warning(f"inference: port {port} is taken; picking a free one")
         site = web.TCPSite(runner, host, 0)
         await site.start()
     return site
@@ -266,10 +270,10 @@ async def serve(run_dir: Path, index: int = 0) -> None:
     url = f"http://{cfg.inference.host}:{port}"
     replica.info_file(run_dir, index).parent.mkdir(exist_ok=True)
     write_atomic(replica.info_file(run_dir, index), json.dumps({"url": url, "pid": os.getpid()}))
-    print(f"inference {index}: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads",
-          flush=True)
+    log.info(f"inference {index}: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads")
     await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
+    configure_logging(sys.argv[1])
     asyncio.run(serve(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -6,6 +6,7 @@ engine steps, so nothing the event loop does ever touches the engine mid-step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -15,6 +16,8 @@ import torch
 from asyncrl import weights
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.profile import Phases
+
+log = logging.getLogger("asyncrl.inference")
 
 UPDATE_POLICIES = ("interrupt", "keep", "abort", "finish")
 
@@ -74,7 +77,7 @@ class Worker:
                         self.engine.step()
                 except Exception as e:  # fail the requests in flight, keep serving
                     error = f"engine step failed: {type(e).__name__}: {e}"
-                    print(f"inference: {error}", flush=True)
+                    log.error(f"inference: {error}")
                     self.engine.abort_all(error)
 
     def _apply_commands(self, block: bool) -> None:
@@ -138,11 +141,8 @@ class Worker:
                 weights.apply_patch(live, weights.load(body["patch"]))
                 if expected is None or weights.state_hash(live) == expected:
                     return "patch"
-                print(
-                    f"inference: patch for version {body['version']} gave the wrong hash; "
-                    "loading the full weights",
-                    flush=True,
-                )
+                log.warning(f"inference: patch for version {body['version']} gave the wrong hash; "
+                            "loading the full weights")
             full = weights.load(body["path"])
             expected_names, given = set(weights.model_state(model)), set(full)
             if expected_names != given:  # (strict=False below would load a partial file silently)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -390,7 +391,7 @@ async def main(run_dir: Path) -> None:
     finally:
         await router.close()
         verifiers.close()
-    print("orchestrator: done", flush=True)
+    logging.getLogger("asyncrl.orchestrator").info("orchestrator: done")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ before the crash.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 import time
@@ -32,6 +33,8 @@ from asyncrl.profile import Phases
 from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import batch_path, read_batch, read_header
+
+log = logging.getLogger("asyncrl.trainer")
 
 
 def lr_schedule(cfg):
@@ -82,7 +85,7 @@ def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
     """(model, tokenizer, trainer state or None) on every rank: the newest checkpoint that verifies (the
     leader looks; the others load what it found), else the initial model."""
     def corrupt(message: str) -> None:
-        print(f"trainer: {message}", flush=True)
+        log.warning(f"trainer: {message}")
         events.write("checkpoint_corrupt", detail=message)
 
     path = ranks.broadcast(checkpoint.latest(run_dir, log=corrupt) if ranks.leader else None)
@@ -91,7 +94,7 @@ def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
         return model, tokenizer, None
     state = {"path": path, **checkpoint.load_trainer_state(path)}
     if ranks.leader:
-        print(f"trainer: resuming from {path} (step {state['step']})", flush=True)
+        log.info(f"trainer: resuming from {path} (step {state['step']})")
         events.write("trainer_resumed", checkpoint=str(path), step=state["step"])
     return model, tokenizer, state
 
@@ -121,9 +124,7 @@ def publish_version(run_dir: Path, version: int, state: dict, metrics: dict, eve
         return
     # Non-deterministic kernels (some GPU ones) can make a replay differ: the new weights win,
     # and samples already drawn from the old ones stay valid off-policy data (their logprobs are theirs).
-    print(
-        f"trainer: replayed version {version} differs from the one published before the restart", flush=True
-    )
+    log.warning(f"trainer: replayed version {version} differs from the one published before the restart")
     events.write("version_replayed", version=version, identical=False)
     weights.publish(run_dir, version, state, metrics)
 
@@ -200,8 +201,8 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     step, steps = setup.first_step, with_settings(cfg, setup.settings).run.steps
     if leader:
         events.write("trainer_ready", step=step, ranks=ranks.size)
-        print(f"trainer: {ranks.size} rank(s) x {torch.get_num_threads()} threads, objective "
-              f"{cfg.objective.import_path or cfg.objective.name}, steps {step}..{steps}", flush=True)
+        log.info(f"trainer: {ranks.size} rank(s) x {torch.get_num_threads()} threads, objective "
+                 f"{cfg.objective.import_path or cfg.objective.name}, steps {step}..{steps}")
     while step < steps:
         t0 = time.monotonic()
         with phases("wait_batch"):
@@ -254,8 +255,8 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     writer.wait()
     if leader:
         busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
-        print(f"trainer: done, {steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
-              f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background", flush=True)
+        log.info(f"trainer: done, {steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
+              f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background")
 
 
 def finish_version(run_dir: Path, keep: int, step: int, state: dict, metrics: dict, phases: Phases,
