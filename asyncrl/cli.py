@@ -6,7 +6,7 @@
     asyncrl warmstart [CONFIG.toml] [--section.key value ...] build the tiny default policy
     asyncrl report RUN_DIR                                   (re)write a run's plots and table
     asyncrl export RUN_DIR OUT_DIR [--step N]                a checkpoint as a plain HF model directory
-    asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop
+    asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop | dashboard
                                                              steer a running job (docs/control.md)
 """
 from __future__ import annotations

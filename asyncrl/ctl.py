@@ -6,6 +6,7 @@
     asyncrl ctl RUN_DIR eval                a held-out evaluation of the version served, now
     asyncrl ctl RUN_DIR checkpoint          the trainer checkpoints after the next batch
     asyncrl ctl RUN_DIR stop                the run ends after the next batch (final checkpoint, report)
+    asyncrl ctl RUN_DIR dashboard           the address of the run's page, token included (keep it private)
 """
 from __future__ import annotations
 
@@ -46,15 +47,19 @@ def request(run_dir: str | Path, method: str, path: str, body: dict | None = Non
                           "be restarting (try again) or the run has ended") from None
 
 
-COMMANDS = ("status", "set", "eval", "checkpoint", "stop")
+COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "dashboard")
 
 
 def main(args: list[str]) -> int:
     if len(args) < 2 or args[1] not in COMMANDS or (args[1] == "set") != (len(args) == 4) or len(args) > 4:
-        raise ConfigError("usage: asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop")
+        usage = " | ".join(COMMANDS).replace("set", "set KEY VALUE")
+        raise ConfigError(f"usage: asyncrl ctl RUN_DIR {usage}")
     run_dir, command = args[0], args[1]
     if command == "status":
         print(describe(request(run_dir, "GET", "/status")))
+    elif command == "dashboard":
+        request(run_dir, "GET", "/status")  # (it answers: the address is live)
+        print(f"{json.loads(control_file(run_dir).read_text())['url']}/?token={read_token(run_dir)}")
     elif command == "eval":
         version = request(run_dir, "POST", "/eval")["version"]
         print(f"evaluating version {version} (metrics.jsonl has the result)")

@@ -4,6 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# the dashboard's browser test (tests/test_dashboard.py): Chromium and its driver from the distribution
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
+  echo "test: installing chromium and chromium-driver (apt) ..."
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  install="$sudo apt-get install -y -q --no-install-recommends chromium chromium-driver"
+  $install >/dev/null 2>&1 || { $sudo apt-get update -q >/dev/null 2>&1 && $install >/dev/null 2>&1; } \
+    || echo "test: could not install chromium: the browser test will be skipped"
+fi
 . .venv/bin/activate
 python -m ruff check .
 exec python -m pytest -q -ra --durations=10 "$@"

@@ -8,6 +8,7 @@
     POST /eval              a held-out evaluation of the version served, now
     POST /checkpoint        the trainer checkpoints after the next batch scheduled (recorded like a change)
     POST /stop              the run ends after the next batch scheduled: run.steps = its step + 1
+    GET  /                  the dashboard page (asyncrl/orchestrator/dashboard.py)
 
 The orchestrator serves it (it owns the ledger and the step boundaries); its address is in
 RUN_DIR/control.json while it runs. A restarted orchestrator serves it again on a new port.
@@ -25,6 +26,7 @@ from asyncrl.access import read_token
 from asyncrl.config import ConfigError
 from asyncrl.files import write_atomic
 from asyncrl.live import LIVE_KEYS, check_change, check_open, setting, with_settings
+from asyncrl.orchestrator import dashboard
 
 
 def control_file(run_dir: str | Path) -> Path:
@@ -40,9 +42,10 @@ def make_app(orch) -> web.Application:
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if not token or request.headers.get("Authorization") != f"Bearer {token}":
-            return _error(401, "the control API needs the run's token "
-                               "(Authorization: Bearer, from RUN_DIR/token)")
+        signing_in = request.path == "/" and "token" in request.query  # (the page checks it)
+        if not signing_in and not dashboard.authorized(request, token):
+            return _error(401, "the control API needs the run's token (Authorization: Bearer, from "
+                               "RUN_DIR/token; for the page, the address `asyncrl ctl RUN dashboard` prints)")
         return await handler(request)
 
     async def status(request: web.Request) -> web.Response:
@@ -99,7 +102,8 @@ def make_app(orch) -> web.Application:
 
     app = web.Application(middlewares=[check])
     app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate),
-                    web.post("/stop", stop), web.post("/checkpoint", checkpoint_now)])
+                    web.post("/stop", stop), web.post("/checkpoint", checkpoint_now),
+                    *dashboard.routes(orch, token)])
     return app
 
 
