@@ -6,6 +6,7 @@
     asyncrl ctl RUN_DIR eval                a held-out evaluation of the version served, now
     asyncrl ctl RUN_DIR checkpoint          the trainer checkpoints after the next batch
     asyncrl ctl RUN_DIR stop                the run ends after the next batch (final checkpoint, report)
+    asyncrl ctl RUN_DIR pause | resume      no new rollouts (those generating are trained) / go on
     asyncrl ctl RUN_DIR dashboard           the address of the run's page, token included (keep it private)
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def request(run_dir: str | Path, method: str, path: str, body: dict | None = Non
                           "be restarting (try again) or the run has ended") from None
 
 
-COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "dashboard")
+COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard")
 
 
 def main(args: list[str]) -> int:
@@ -60,6 +61,10 @@ def main(args: list[str]) -> int:
     elif command == "dashboard":
         request(run_dir, "GET", "/status")  # (it answers: the address is live)
         print(f"{json.loads(control_file(run_dir).read_text())['url']}/?token={read_token(run_dir)}")
+    elif command in ("pause", "resume"):
+        answer = request(run_dir, "POST", f"/{command}")
+        said = "paused: no new rollouts" if answer["paused"] else "resumed"
+        print(f"{said} (assembling step {answer['step']})")
     elif command == "eval":
         version = request(run_dir, "POST", "/eval")["version"]
         print(f"evaluating version {version} (metrics.jsonl has the result)")
@@ -75,7 +80,8 @@ def main(args: list[str]) -> int:
 
 def describe(status: dict) -> str:
     lines = [f"step {status['step']} of {status['steps']}, version {status['served_version']} served, "
-             f"{status['in_flight_groups']} groups generating, {status['ready_groups']} ready"]
+             f"{status['in_flight_groups']} groups generating, {status['ready_groups']} ready"
+             + (" (PAUSED)" if status["paused"] else "")]
     lines += [f"  {key} = {value!r}" for key, value in status["settings"].items()]
     for c in status["changes"]:
         when = f"from step {c['step']}" if c["step"] is not None else "pending"

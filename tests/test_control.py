@@ -5,11 +5,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
 import pytest
-from conftest import job_config
+from conftest import job_args, job_config
 from test_recovery import RUN, assert_nothing_lost, cli_args
 
 from asyncrl import ctl
@@ -191,3 +192,33 @@ def test_the_report_marks_each_change_where_it_took_effect(tmp_path):
     assert [[line.get_xdata()[0] for line in ax.lines] for ax in axes] == [[20.0], [2], [20.0]]
     assert axes[1].texts[0].get_text() == "lr=3e-05"
     plt.close(fig)
+
+
+@pytest.mark.e2e
+def test_a_paused_run_outlasts_its_deadlines_and_goes_on(tiny_model, tmp_path):
+    """Paused for longer than every wait's deadline (15 s here): nothing times out, nothing restarts, no
+    step is trained while paused (once the groups already generating are), and after resume the run
+    ends with nothing lost."""
+    run = {**RUN, "timeouts.batch": 15, "timeouts.train_step": 15}
+    args = [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, tiny_model, **run)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "job"
+    try:
+        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 3  # noqa: E731
+        poll(started, 300, "the run to start")
+        assert ctl.request(run_dir, "POST", "/pause")["paused"] is True
+        poll(lambda: _status(run_dir)["in_flight_groups"] == 0, 60, "the groups generating to finish")
+        time.sleep(3)  # (their batch, if they made one, trains)
+        before = steps_recorded(run_dir)
+        time.sleep(20)  # past every deadline
+        assert steps_recorded(run_dir) == before < 28 and _status(run_dir)["paused"] is True
+        assert "(PAUSED)" in ctl.describe(_status(run_dir))
+        assert ctl.request(run_dir, "POST", "/resume")["paused"] is False
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        proc.kill()
+    events = read_events(run_dir)
+    assert [e["event"] for e in events if e["event"] in ("paused", "resumed")] == ["paused", "resumed"]
+    assert not [e for e in events if e["event"] == "role_restarted"]
+    assert_nothing_lost(run_dir)

@@ -27,7 +27,7 @@ function setUp() {
     e.preventDefault();
     send("/set", { key: document.getElementById("key").value, value: document.getElementById("value").value });
   });
-  for (const name of ["eval", "checkpoint", "stop"]) {
+  for (const name of ["eval", "checkpoint", "pause", "resume", "stop"]) {
     document.getElementById(name).addEventListener("click", () => send("/" + name));
   }
 }
@@ -40,7 +40,8 @@ async function send(path, body) {
   answer.className = response.ok ? "" : "refused";
   answer.textContent = response.ok
     ? (data.key ? `${data.key} = ${data.value}: recorded (change ${data.id}), from step ${data.from_step}`
-                : `evaluating version ${data.version}`)
+       : "paused" in data ? (data.paused ? "paused: no new rollouts" : "resumed")
+       : `evaluating version ${data.version}`)
     : data.error;
   poll();
 }
@@ -76,7 +77,8 @@ async function poll() {
     const last = state.steps[state.steps.length - 1];
     document.getElementById("where").textContent =
       `step ${status.step} of ${status.steps} assembling · version ${status.served_version} served · ` +
-      `${state.steps.length} steps trained` + (last ? ` · reward ${last.reward.toFixed(3)}` : "");
+      `${state.steps.length} steps trained` + (last ? ` · reward ${last.reward.toFixed(3)}` : "") +
+      (status.paused ? " · PAUSED" : "");
     if (!state.keys) {
       state.keys = Object.keys(status.settings);
       document.getElementById("key").innerHTML = state.keys.map((k) => `<option>${k}</option>`).join("");

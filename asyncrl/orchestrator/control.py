@@ -8,6 +8,7 @@
     POST /eval              a held-out evaluation of the version served, now
     POST /checkpoint        the trainer checkpoints after the next batch scheduled (recorded like a change)
     POST /stop              the run ends after the next batch scheduled: run.steps = its step + 1
+    POST /pause, /resume    no new rollouts / rollouts again (asyncrl/pausing.py)
     GET  /                  the dashboard page (asyncrl/orchestrator/dashboard.py)
 
 The orchestrator serves it (it owns the ledger and the step boundaries); its address is in
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from asyncrl import pausing
 from asyncrl.access import read_token
 from asyncrl.config import ConfigError
 from asyncrl.files import write_atomic
@@ -51,7 +53,7 @@ def make_app(orch) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         return web.json_response({
             "step": orch.next_step, "steps": orch.cfg.run.steps, "served_version": orch.router.version,
-            "in_flight_groups": len(orch.in_flight), "ready_groups": len(orch.ready),
+            "in_flight_groups": len(orch.in_flight), "ready_groups": len(orch.ready), "paused": orch.paused,
             "settings": {k: setting(orch.cfg, k) for k in LIVE_KEYS}, "changes": orch.ledger.changes(),
         })
 
@@ -94,6 +96,22 @@ def make_app(orch) -> web.Application:
             return _error(400, str(e))
         return record("checkpoint", True)
 
+    async def pause(request: web.Request) -> web.Response:
+        return await set_paused(True)
+
+    async def resume(request: web.Request) -> web.Response:
+        return await set_paused(False)
+
+    async def set_paused(on: bool) -> web.Response:
+        """Admission stops (groups generating finish and are trained) or goes on; kept in the ledger."""
+        if orch.paused != on:
+            orch.paused = on
+            orch.ledger.put("paused", on)
+            pausing.record(orch.run_dir, on)
+            orch.events.write("paused" if on else "resumed", step=orch.next_step)
+            await orch._notify()
+        return web.json_response({"paused": on, "step": orch.next_step})
+
     async def evaluate(request: web.Request) -> web.Response:
         if orch.evaluator is None:
             return _error(409, "this run has no held-out evaluation (task.eval_size = 0)")
@@ -103,6 +121,7 @@ def make_app(orch) -> web.Application:
     app = web.Application(middlewares=[check])
     app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate),
                     web.post("/stop", stop), web.post("/checkpoint", checkpoint_now),
+                    web.post("/pause", pause), web.post("/resume", resume),
                     *dashboard.routes(orch, token)])
     return app
 

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl import pausing
 from asyncrl.access import read_token
 from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
@@ -46,7 +47,7 @@ from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.orchestrator.trainer_link import trainer_link
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
-from asyncrl.rewards.tasks import BadTaskRow, load_tasks
+from asyncrl.rewards.tasks import BadTaskRow, load_tasks, servable_prompt
 from asyncrl.sinks import Sinks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
@@ -85,6 +86,8 @@ class Orchestrator:
         self.started_at = led.get("started_at") or time.time()
         led.put("started_at", self.started_at)
         self.cursor = led.next_prompt_id()
+        self.paused = led.get("paused", False)  # (asyncrl ctl RUN pause: admission stops)
+        pausing.record(self.run_dir, self.paused)
         self.reissue = led.in_flight()  # their generation died with an earlier process
         self.ready: list[list[Trajectory]] = led.ready_groups()
         self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
@@ -139,11 +142,14 @@ class Orchestrator:
             self.changed.notify_all()
 
     async def _wait_for(self, predicate, deadline: float, what: str) -> None:
-        """Wait until `predicate()` holds; a failed rollout or the deadline ends the wait with an error."""
-        try:
+        """Wait until `predicate()` holds; a failed rollout or the deadline (not a pause) ends the wait."""
+        async def wait() -> None:
             async with self.changed:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.failure or predicate()), deadline)
-        except asyncio.TimeoutError:
+
+        try:
+            await pausing.patiently(self.run_dir, deadline, wait)
+        except TimeoutError:
             raise TimeoutError(f"orchestrator: waited {deadline:.0f}s for {what} "
                                f"(served version {self.router.version})") from None
         if self.failure:
@@ -154,8 +160,9 @@ class Orchestrator:
         limit = self.cfg.rollout.max_concurrent_groups
         while True:
             needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
+            room = lambda: not self.paused and len(self.in_flight) < limit  # noqa: E731
             await self._wait_for(
-                lambda: self.assembled or (len(self.in_flight) < limit and (bool(self.reissue) or (
+                lambda: self.assembled or (room() and (bool(self.reissue) or (
                     self.gate.admitted < needed and self.gate.can_admit(self.router.version)))),
                 self.cfg.timeouts.train_step, "room to start a rollout (the trainer publishes versions)",
             )
@@ -169,7 +176,8 @@ class Orchestrator:
                 index = self.cursor
                 self.cursor += 1
             try:
-                entry, prompt = self._prompt(index)
+                limit = self.cfg.inference.max_prompt_tokens
+                entry, prompt = servable_prompt(self.tasks, index, self.tokenizer, limit)
             except BadTaskRow as e:  # the row is skipped, not the run
                 if reissued:  # (a re-issued prompt was good before; it held a slot)
                     self.gate.release()
@@ -185,18 +193,6 @@ class Orchestrator:
             task = asyncio.create_task(self._run_group(index, entry, prompt))
             self.in_flight.add(task)
             task.add_done_callback(self.in_flight.discard)
-
-    def _prompt(self, index: int) -> tuple[dict, list[int]]:
-        """(item, prompt token ids); BadTaskRow if the item is malformed, empty or too long to serve."""
-        tasks = self.tasks
-        entry = tasks.item(index)
-        entry = {**entry, "prompt": tasks.prompt(entry)}  # what an agent is asked
-        prompt = tasks.prompt_ids(entry, self.tokenizer)
-        limit = self.cfg.inference.max_prompt_tokens
-        if len(prompt) > limit:
-            raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(prompt)} tokens; "
-                             f"inference.max_prompt_tokens is {limit}")
-        return entry, prompt
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
         try:
@@ -321,10 +317,11 @@ class Orchestrator:
             if self.failure:
                 raise self.failure
 
-        return await self.link.marker(
-            version, self.cfg.timeouts.train_step,
-            f"orchestrator: the trainer did not publish version {version} (step {version - 1}) within "
-            f"{self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)", failed)
+        deadline = self.cfg.timeouts.train_step
+        what = (f"orchestrator: the trainer did not publish version {version} (step {version - 1}) within "
+                f"{deadline:.0f}s (timeouts.train_step)")
+        return await pausing.patiently(self.run_dir, deadline,
+                                       lambda: self.link.marker(version, deadline, what, failed))
 
     async def _step_record(self, version: int, marker: dict) -> dict:
         now, stats = time.monotonic(), await self.router.stats()

@@ -192,6 +192,18 @@ class TaskSource:
         return reward
 
 
+def servable_prompt(tasks, index: int, tokenizer, limit: int) -> tuple[dict, list[int]]:
+    """(item `index` with its "prompt" text, the prompt's token ids); BadTaskRow if the item is
+    malformed, empty, or longer than `limit` (inference.max_prompt_tokens) tokens."""
+    entry = tasks.item(index)
+    entry = {**entry, "prompt": tasks.prompt(entry)}  # what an agent is asked
+    prompt = tasks.prompt_ids(entry, tokenizer)
+    if len(prompt) > limit:
+        raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(prompt)} tokens; "
+                         f"inference.max_prompt_tokens is {limit}")
+    return entry, prompt
+
+
 def as_number(value) -> float | None:
     """A reward as a float: any real number (bool, numpy and one-element tensor scalars included);
     None for what is not one (a string, None, a list), which breaks a reward function's contract."""

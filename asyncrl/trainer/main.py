@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import checkpoint, weights
+from asyncrl import checkpoint, pausing, weights
 from asyncrl.config import read_run_config
 from asyncrl.events import EventLog
 from asyncrl.fatal import FatalError, run_role
@@ -71,13 +71,15 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heart
         heartbeat.beat()
         return path.exists()
 
-    poll(
-        arrived,
-        deadline_s,
-        f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch "
-        f"{path} from the orchestrator (timeouts.batch); is the orchestrator alive?",
-        every=0.005,
-    )
+    what = (f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch {path} "
+            "from the orchestrator (timeouts.batch); is the orchestrator alive?")
+    while True:
+        try:
+            poll(arrived, deadline_s, what, every=0.005)
+            break
+        except TimeoutError:
+            if not pausing.excused(run_dir, deadline_s):  # (asyncrl ctl RUN pause)
+                raise
     return path
 
 
