@@ -25,6 +25,7 @@ LIVE_KEYS = (
     "objective.entropy_coef",
     "rollout.max_staleness",
     "rollout.max_tokens",
+    "rollout.temperature",
     "task.eval_every",
     "run.steps",
 )

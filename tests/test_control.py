@@ -135,8 +135,9 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
 
 @pytest.mark.e2e
 def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp_path):
-    """run.steps 28 -> 40 and a checkpoint asked for early on; past step 28 the run is stopped: it ends
-    after the batch the stop was scheduled with, checkpointed there, everything it trained committed."""
+    """run.steps 28 -> 40, temperature 1 -> 0.7 and a checkpoint asked for early on; past step 28 the run
+    is stopped: it ends after the batch the stop was scheduled with, checkpointed there, everything it
+    trained committed, every batch sampled at the temperature its step trains at."""
     cfg = job_config(tmp_path, tiny_model, **RUN)
     run_dir = cfg.run_dir
     proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -145,6 +146,7 @@ def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp
         started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
         poll(started, 300, "the run to start")
         longer = ctl.request(run_dir, "POST", "/set", {"key": "run.steps", "value": "40"})
+        ctl.request(run_dir, "POST", "/set", {"key": "rollout.temperature", "value": "0.7"})
         asked = ctl.request(run_dir, "POST", "/checkpoint")
         poll(lambda: steps_recorded(run_dir) >= 30, 300, "the run to go past its first length")
         stop = ctl.request(run_dir, "POST", "/stop")
@@ -152,9 +154,12 @@ def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp
         assert proc.returncode == 0, out[-3000:]
     finally:
         proc.kill()
-    lengthen, checkpoint, stopped = Ledger(run_dir).changes()
+    lengthen, cooler, checkpoint, stopped = Ledger(run_dir).changes()
     assert (lengthen["key"], lengthen["value"], checkpoint["key"]) == ("run.steps", 40, "checkpoint")
-    assert lengthen["step"] == checkpoint["step"] < 28
+    assert lengthen["step"] == cooler["step"] == checkpoint["step"] < 28
+    for step in range(stop["value"]):  # each batch drawn at the temperature its step trains with
+        expected = 0.7 if step >= cooler["step"] else 1.0
+        assert {t.info["temperature"] for t in read_batch(batch_path(run_dir, step))} == {expected}, step
     end = stop["value"]
     assert (stopped["key"], stopped["value"], stopped["step"]) == ("run.steps", end, end - 1)
     assert 30 < end < 40
@@ -165,6 +170,7 @@ def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp
     assert "checkpoint_stall_seconds" in records[asked["from_step"]]  # the checkpoint asked for
     report = audit(run_dir, cfg.rollout.max_staleness)
     assert report["problems"] == [] and report["steps"] == report["steps_committed"] == end
+    assert set(report["samples_dropped"]) <= {"too_stale", "temperature_changed"}
     assert report["samples_by_state"]["committed"] == end * 8 * 4
     assert report["samples_by_state"].get("batched", 0) == 0 and longer["value"] == 40
 

@@ -122,6 +122,7 @@ class Orchestrator:
         if self.evaluator:
             self.evaluator.cfg = self.cfg
         if self.agents:
+            self.agents.cfg = self.cfg
             self.agents.limits.max_tokens_per_turn = self.cfg.rollout.max_tokens
 
     def _now(self) -> float:
@@ -247,13 +248,17 @@ class Orchestrator:
                 self.ready.sort(key=lambda g: min(t.oldest_version for t in g))  # oldest first
                 group = self.ready.pop(0)
                 oldest = min(t.oldest_version for t in group)
-                if self.gate.fresh_enough(oldest, step):
+                # (the trainer's logprobs are at this step's temperature: a group drawn at another is dropped)
+                sampled_at = group[0].info.get("temperature", self.cfg.rollout.temperature)
+                fresh = self.gate.fresh_enough(oldest, step)
+                if fresh and sampled_at == self.cfg.rollout.temperature:
                     batch.append(group)
                     continue
                 dropped += 1
                 self.gate.release()
-                self.ledger.drop_group(group, "too_stale")
-                self.events.write("group_dropped", reason="too_stale", step=step,
+                reason = "too_stale" if not fresh else "temperature_changed"
+                self.ledger.drop_group(group, reason)
+                self.events.write("group_dropped", reason=reason, step=step,
                                   prompt_id=group[0].prompt_id, oldest_version=oldest)
                 await self._notify()
             trajs = [t for g in batch for t in g]

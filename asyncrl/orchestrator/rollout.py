@@ -53,7 +53,8 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
             versions=[-1] * len(prompt) + choice["versions"],
             reward=reward,
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
-                  "answer": entry["answer"], "generate_seconds": generated - started},
+                  "answer": entry["answer"], "generate_seconds": generated - started,
+                  "temperature": ro.temperature},
         ))
     return scored, dropped
 
@@ -96,6 +97,7 @@ async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
                 reward=out.reward,
                 info={
                     "finish_reason": ep.finish_reason,
+                    "temperature": cfg.rollout.temperature,
                     "completion": ep.final_text,
                     "answer": entry.get("answer"),
                     "turns": ep.turns,
