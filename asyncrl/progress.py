@@ -62,7 +62,8 @@ class Progress:
             self.bar.stop()
 
     def poll(self, final: bool = False) -> None:
-        """Show what is new; `final`: every count that changed since it was last shown, however recently."""
+        """Show what is new (the last step always); `final`: every count that changed since it was last
+        shown, however recently."""
         self._poll_events(final)
         changed = False
         for record in self.metrics.records():
@@ -72,8 +73,10 @@ class Progress:
                 self.step = record
             changed = True
         # On a terminal the line is rewritten in place; in a log, one line per ~5% of the run.
-        every = 1 if self.tty else max(1, self.steps // 20)
-        if changed and self.step and (self.step["step"] + 1) % every == 0:
+        steps = self.step.get("steps", self.steps) if self.step else self.steps  # (live: asyncrl ctl)
+        every = 1 if self.tty else max(1, steps // 20)
+        last = self.step is not None and self.step["step"] + 1 == steps
+        if changed and self.step and ((self.step["step"] + 1) % every == 0 or last):
             self.show()
 
     def _poll_events(self, final: bool) -> None:
