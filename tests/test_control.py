@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 from conftest import job_args, job_config
-from test_recovery import RUN, assert_nothing_lost, cli_args
+from test_recovery import RUN, assert_nothing_lost
 
 from asyncrl import ctl
 from asyncrl.chaos import pid_of, steps_recorded
@@ -80,18 +80,27 @@ def _status(run_dir) -> dict:
     return ctl.request(run_dir, "GET", "/status")
 
 
+def start_run(tmp_path, model, **overrides) -> tuple[subprocess.Popen, object]:
+    """A run of RUN (with `overrides`) through the CLI, once its control API answers and 2 steps are done."""
+    args = [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, model, **{**RUN, **overrides})]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "job"
+    try:
+        poll(lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2, 300, "the run to start")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, run_dir
+
+
 @pytest.mark.e2e
 def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
     """lr and η are changed mid-run; the trainer and the orchestrator are SIGKILLed after the change,
     the run is SIGTERMed and resumed: every step trained under the settings in force at it (restarted
     trainers replay their versions bit-identically), every sample once, none staler than its step's η."""
     cfg = job_config(tmp_path, tiny_model, **RUN)
-    run_dir = cfg.run_dir
-    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc, run_dir = start_run(tmp_path, tiny_model)
     try:
-        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
-        poll(started, 300, "the run to start")
         url = json.loads(control_file(run_dir).read_text())["url"]
         with pytest.raises(urllib.error.HTTPError) as refused:  # no token, no answer
             urllib.request.urlopen(url + "/status", timeout=10)
@@ -139,12 +148,8 @@ def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp
     is stopped: it ends after the batch the stop was scheduled with, checkpointed there, everything it
     trained committed, every batch sampled at the temperature its step trains at."""
     cfg = job_config(tmp_path, tiny_model, **RUN)
-    run_dir = cfg.run_dir
-    proc = subprocess.Popen(cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc, run_dir = start_run(tmp_path, tiny_model)
     try:
-        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
-        poll(started, 300, "the run to start")
         longer = ctl.request(run_dir, "POST", "/set", {"key": "run.steps", "value": "40"})
         ctl.request(run_dir, "POST", "/set", {"key": "rollout.temperature", "value": "0.7"})
         asked = ctl.request(run_dir, "POST", "/checkpoint")
@@ -205,13 +210,8 @@ def test_a_paused_run_outlasts_its_deadlines_and_goes_on(tiny_model, tmp_path):
     """Paused for longer than every wait's deadline (15 s here): nothing times out, nothing restarts, no
     step is trained while paused (once the groups already generating are), and after resume the run
     ends with nothing lost."""
-    run = {**RUN, "timeouts.batch": 15, "timeouts.train_step": 15}
-    args = [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, tiny_model, **run)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run_dir = tmp_path / "runs" / "job"
+    proc, run_dir = start_run(tmp_path, tiny_model, **{"timeouts.batch": 15, "timeouts.train_step": 15})
     try:
-        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 3  # noqa: E731
-        poll(started, 300, "the run to start")
         assert ctl.request(run_dir, "POST", "/pause")["paused"] is True
         poll(lambda: _status(run_dir)["in_flight_groups"] == 0, 60, "the groups generating to finish")
         time.sleep(3)  # (their batch, if they made one, trains)

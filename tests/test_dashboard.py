@@ -4,18 +4,13 @@ controls steer the run — a live change, then stop."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
-from conftest import job_args
-from test_recovery import RUN
+from test_control import start_run
 
 from asyncrl.access import read_token
-from asyncrl.chaos import steps_recorded
-from asyncrl.files import poll
 from asyncrl.ledger import Ledger, audit
 from asyncrl.orchestrator.control import control_file
 
@@ -43,14 +38,9 @@ def test_the_dashboard_draws_live_data_and_steers_the_run(tiny_model, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    args = job_args(tmp_path, tiny_model, **{**RUN, "run.steps": 400})  # long enough to stop from the page
-    run_dir = tmp_path / "runs" / "job"
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, run_dir = start_run(tmp_path, tiny_model, **{"run.steps": 400})  # long enough to stop from the page
     driver = None
     try:
-        started = lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2  # noqa: E731
-        poll(started, 300, "the run to start")
         url = json.loads(control_file(run_dir).read_text())["url"]
         with pytest.raises(urllib.error.HTTPError) as refused:  # the page needs the token too
             urllib.request.urlopen(url + "/", timeout=10)
