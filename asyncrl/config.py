@@ -153,7 +153,7 @@ def _is_text(key: str) -> bool:
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     """["--rollout.max_staleness", "4", "--run.name=x"] -> {"rollout": {"max_staleness": 4}, ...}"""
-    tree: dict[str, Any] = {}
+    flat: list[tuple[str, Any]] = []
     items = iter(args)
     for arg in items:
         if not arg.startswith("--"):
@@ -163,11 +163,19 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             value = next(items, None)
             if value is None:
                 raise ConfigError(f"override --{key} has no value")
+        flat.append((key, parse_value(value, key)))
+    return nested(flat)
+
+
+def nested(flat: list[tuple[str, Any]]) -> dict[str, Any]:
+    """[("rollout.max_staleness", 4)] -> {"rollout": {"max_staleness": 4}}, later keys winning."""
+    tree: dict[str, Any] = {}
+    for key, value in flat:
         node = tree
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = parse_value(value, key)
+        node[leaf] = value
     return tree
 
 

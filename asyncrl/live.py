@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from asyncrl.config import Config, ConfigError, explain, merge_config, parse_value
+from asyncrl.config import Config, ConfigError, explain, merge_config, nested, parse_value
 
 # Each is read afresh where it is used (the trainer per step, the orchestrator per group or version).
 LIVE_KEYS = (
@@ -37,15 +37,9 @@ def with_settings(cfg: Config, settings: dict[str, Any]) -> Config:
     """`cfg` with the dotted `settings` set, validated like a config file (ConfigError if invalid)."""
     if not settings:
         return cfg
-    tree: dict[str, Any] = {}
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    tree = merge_config(cfg.model_dump(mode="json"), nested(list(settings.items())))
     try:
-        return Config.model_validate(merge_config(cfg.model_dump(mode="json"), tree))
+        return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(explain(e)) from None
 
