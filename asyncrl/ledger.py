@@ -21,6 +21,7 @@ import sqlite3
 from pathlib import Path
 
 from asyncrl import weights
+from asyncrl.live import settings_at
 from asyncrl.trajectory import Trajectory, read_batch
 
 SCHEMA = """
@@ -184,7 +185,7 @@ class Ledger:
 
     def scheduled_changes(self) -> list[tuple[int, str, object]]:
         """(step, key, value) of the changes that have taken effect, in the order made."""
-        return [(c["step"], c["key"], c["value"]) for c in self.changes() if c["step"] is not None]
+        return _scheduled(self.db)
 
     def batched_steps(self) -> list[int]:
         return [r[0] for r in self.db.execute("SELECT step FROM steps ORDER BY step")]
@@ -240,20 +241,17 @@ def read_changes(run_dir: str | Path) -> list[dict]:
         return []
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone():
-            return []
-        rows = db.execute("SELECT step, key, value FROM changes WHERE step IS NOT NULL ORDER BY id")
-        return [{"step": step, "key": key, "value": json.loads(value)} for step, key, value in rows]
+        return [{"step": step, "key": key, "value": value} for step, key, value in _scheduled(db)]
     finally:
         db.close()
 
 
-def _staleness_bounds(db, initial: int):
-    """step -> the max_staleness in force when it was assembled (live changes included)."""
-    has_changes = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone()
-    changes = db.execute("SELECT step, value FROM changes WHERE key = 'rollout.max_staleness' AND "
-                         "step IS NOT NULL ORDER BY id").fetchall() if has_changes else []
-    return lambda step: ([initial] + [json.loads(v) for at, v in changes if at <= step])[-1]
+def _scheduled(db) -> list[tuple[int, str, object]]:
+    """(step, key, value) of the scheduled changes, in the order made ([] for a ledger from before them)."""
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'changes'").fetchone():
+        return []
+    rows = db.execute("SELECT step, key, value FROM changes WHERE step IS NOT NULL ORDER BY id")
+    return [(step, key, json.loads(value)) for step, key, value in rows]
 
 
 def audit(run_dir: str | Path, max_staleness: int) -> dict:
@@ -287,9 +285,11 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
     holes = count("SELECT MAX(prompt_id) + 1 - COUNT(*) FROM prompts") or 0
     if holes:
         problems.append(f"{holes} prompt ids between 0 and the cursor were never dispatched")
-    bounds = _staleness_bounds(db, max_staleness)
+    changes = _scheduled(db)  # (each step is held to the max_staleness in force when it was assembled)
+    bound = {step: settings_at(changes, step).get("rollout.max_staleness", max_staleness)
+             for (step,) in db.execute("SELECT step FROM steps")}
     trained = db.execute("SELECT step, oldest_version FROM samples WHERE step IS NOT NULL")
-    stale = sum(1 for step, oldest in trained if step - oldest > bounds(step))
+    stale = sum(1 for step, oldest in trained if step - oldest > bound.get(step, max_staleness))
     if stale:
         problems.append(f"{stale} trained samples exceed max_staleness = {max_staleness}")
     for step, digest in db.execute("SELECT step, digest FROM steps").fetchall():
