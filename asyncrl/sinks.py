@@ -40,8 +40,9 @@ def _numbers(record: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in AXES}
 
 
-def _at(record: dict) -> int:
-    return record["eval_version"] if "eval_version" in record else record["step"]
+def _axis(record: dict) -> str:
+    """What a record is at: an evaluation at the version it measured, a step's record at its step."""
+    return "eval_version" if "eval_version" in record else "step"
 
 
 class TensorBoard:
@@ -52,7 +53,7 @@ class TensorBoard:
 
     def write(self, record: dict) -> None:
         for key, value in _numbers(record).items():
-            self.writer.add_scalar(key, value, _at(record), walltime=None)
+            self.writer.add_scalar(key, value, record[_axis(record)], walltime=None)
 
     def close(self) -> None:
         self.writer.close()
@@ -87,7 +88,7 @@ class WandB:
         self.run.define_metric("eval_*", step_metric="eval_version")
 
     def write(self, record: dict) -> None:
-        axis = "eval_version" if "eval_version" in record else "step"
+        axis = _axis(record)
         self.run.log({**_numbers(record), axis: record[axis]})
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from asyncrl import heartbeat
+from asyncrl.progress import Tail
 
 PAGE = Path(__file__).resolve().parent.parent / "dashboard"
 STATIC = {"app.js": "application/javascript", "vendor/uPlot.iife.min.js": "application/javascript",
@@ -50,13 +51,11 @@ def routes(orch, token: str) -> list:
             offset = max(0, int(request.query.get("offset", "0")))
         except ValueError:
             return web.json_response({"error": "offset must be a byte count"}, status=400)
-        with open(orch.run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # (a line being written waits for the next ask)
-        records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        tail = Tail(orch.run_dir / "metrics.jsonl", from_end=False)  # (complete lines only, from `offset`)
+        tail.offset = offset
+        records = tail.records()
         # (orjson writes a NaN metric, e.g. an empty batch's KL, as null: JSON has no NaN)
-        body = orjson.dumps({"records": records, "offset": offset + len(complete)})
+        body = orjson.dumps({"records": records, "offset": tail.offset})
         return web.Response(body=body, content_type="application/json")
 
     async def roles(request: web.Request) -> web.Response:
