@@ -43,3 +43,13 @@ async def patiently(run_dir: str | Path, deadline: float, wait: Callable[[], Awa
         except TimeoutError:  # (asyncio's too, since 3.11)
             if not excused(run_dir, deadline):
                 raise
+
+
+def patiently_blocking(run_dir: str | Path, deadline: float, wait: Callable[[], T]) -> T:
+    """`patiently` for a blocking `wait()` (the trainer's)."""
+    while True:
+        try:
+            return wait()
+        except TimeoutError:
+            if not excused(run_dir, deadline):
+                raise

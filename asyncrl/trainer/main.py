@@ -73,13 +73,8 @@ def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heart
 
     what = (f"trainer: step {step} (training version {step}) waited {deadline_s:.0f}s for its batch {path} "
             "from the orchestrator (timeouts.batch); is the orchestrator alive?")
-    while True:
-        try:
-            poll(arrived, deadline_s, what, every=0.005)
-            break
-        except TimeoutError:
-            if not pausing.excused(run_dir, deadline_s):  # (asyncrl ctl RUN pause)
-                raise
+    # (a wait that a pause outlasts waits again: asyncrl ctl RUN pause)
+    pausing.patiently_blocking(run_dir, deadline_s, lambda: poll(arrived, deadline_s, what, every=0.005))
     return path
 
 
