@@ -35,7 +35,7 @@ from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.ledger import Ledger
-from asyncrl.live import LIVE_KEYS, actions_at, settings_at, with_settings
+from asyncrl.live import actions_at, settings_at, with_settings
 from asyncrl.orchestrator import control
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
@@ -55,7 +55,7 @@ from asyncrl.trajectory import Trajectory, batch_path, write_batch
 class Orchestrator:
     def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool, link):
         self.cfg, self.run_dir, self.router, self.tokenizer = cfg, run_dir, router, tokenizer
-        self.base_cfg, self.settings = cfg, {}  # the run's config; live changes in force (asyncrl/live.py)
+        self.base_cfg = cfg  # self.cfg is it with the live changes in force (asyncrl/live.py)
         self.link = link  # to the trainer: asyncrl/orchestrator/trainer_link.py
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
@@ -117,7 +117,7 @@ class Orchestrator:
 
     def _use_settings(self, settings: dict) -> None:
         """Live settings in force from here on: read where they are used, through self.cfg."""
-        self.settings, self.cfg = settings, with_settings(self.base_cfg, settings)
+        self.cfg = with_settings(self.base_cfg, settings)
         self.gate.max_staleness = self.cfg.rollout.max_staleness
         if self.evaluator:
             self.evaluator.cfg = self.cfg
@@ -239,7 +239,7 @@ class Orchestrator:
             self.next_step, dropped = step, 0
             changed = self.ledger.schedule_changes(step)  # (pending changes take effect with this batch)
             if changed:
-                self._use_settings({**self.settings, **{k: v for k, v in changed if k in LIVE_KEYS}})
+                self._use_settings(settings_at(self.ledger.scheduled_changes(), step))
                 self.events.write("settings_changed", step=step, changes=dict(changed))
             batch: list[list[Trajectory]] = []
             while len(batch) < per_step:
