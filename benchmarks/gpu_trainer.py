@@ -65,7 +65,8 @@ def compare(device: str, dtype: torch.dtype, shape: str) -> dict:
     # the reference: every row padded, one call, the whole vocabulary's log-softmax at once
     ref = forward_backward(model, batch, buckets=False, chunk_values=2**62)
     got = forward_backward(model, batch)
-    grad_rel = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for g, r in zip(got[2], ref[2]))
+    grad_rel = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+                   for g, r in zip(got[2], ref[2]))
     times = {}
     for share in (False, True):
         runs = [forward_backward(model, batch, share_prefixes=share)[3] for _ in range(6)][1:]

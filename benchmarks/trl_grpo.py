@@ -79,6 +79,35 @@ class Clock:
         self.paused += time.monotonic() - began
 
 
+def time_phases(trainer) -> dict[str, float]:
+    """Seconds in TRL's own methods, accumulated as it trains: its time profile, by role. `training_step`
+    holds `_prepare_inputs` (generation, scoring, advantages) and the loss's forward, backward and step."""
+    seconds: dict[str, float] = {}
+    for phase, method in [("training_step", "training_step"), ("prepare_inputs", "_prepare_inputs"),
+                          ("generate", "_generate"), ("score", "_calculate_rewards")]:
+        inner = getattr(trainer, method)
+
+        def timed(*args, _inner=inner, _phase=phase, **kw):
+            began = time.monotonic()
+            try:
+                return _inner(*args, **kw)
+            finally:
+                seconds[_phase] = seconds.get(_phase, 0.0) + time.monotonic() - began
+
+        setattr(trainer, method, timed)
+    return seconds
+
+
+def profile(seconds: dict[str, float], train_seconds: float) -> dict[str, float]:
+    """The training clock split into generation, scoring, the rest of preparing a batch, the optimizer
+    step's forward/backward/update, and what lies outside training_step (the Trainer's loop, callbacks)."""
+    prepare, step = seconds.get("prepare_inputs", 0.0), seconds.get("training_step", 0.0)
+    gen, score = seconds.get("generate", 0.0), seconds.get("score", 0.0)
+    return {"generate": round(gen, 1), "score": round(score, 1),
+            "prepare_other": round(prepare - gen - score, 1), "train": round(step - prepare, 1),
+            "outside_step": round(train_seconds - step, 1)}
+
+
 def main(out_dir: str, config_json: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
@@ -133,6 +162,7 @@ def main(out_dir: str, config_json: str) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward_function(cfg), args=args,
                           train_dataset=dataset(cfg, cfg.run.steps * ro.prompts_per_step),
                           processing_class=tokenizer, callbacks=[clock.callback])
+    seconds = time_phases(trainer)
     began = time.monotonic()
     trainer.train()
     wall = time.monotonic() - began
@@ -140,7 +170,7 @@ def main(out_dir: str, config_json: str) -> None:
     (out / "trl.json").write_text(json.dumps({
         "points": clock.points, "train_seconds": round(clock.now(), 2), "wall_seconds": round(wall, 2),
         "samples": samples, "samples_per_s": round(samples / clock.now(), 2), "threads": threads,
-        "log": trainer.state.log_history}, indent=1))
+        "profile": profile(seconds, clock.now()), "log": trainer.state.log_history}, indent=1))
     print(
         f"trl: {cfg.run.steps} steps in {clock.now():.1f}s of training, "
         f"{samples / clock.now():.1f} samples/s",

@@ -49,7 +49,7 @@ WORKLOADS = {
     # ~100-token prompts, 1-3-token answers (examples/long_prompt.py): the trainer re-ran each prompt G times
     "long_prompt": {"model": "models/tiny-long-prompt", "steps": 120, "overrides": [
         "--task.name", "examples/long_prompt.py:sums_after_preamble", "--task.prompt_format", "question",
-        "--inference.max_prompt_tokens", "320", "--warmstart.steps", "800",
+        "--inference.max_prompt_tokens", "320",
     ]},
 }
 
@@ -105,12 +105,13 @@ def run_trl(cfg, out: Path, every: int) -> dict:
         "wall_seconds": round(time.monotonic() - began, 1),
         "samples_per_s": result["samples_per_s"],
         "threads": f"{result['threads']} (one process)",
+        "profile": {"trl (one process)": result["profile"]},
     }
 
 
 def run_asyncrl(cfg) -> dict:
     from asyncrl.launcher import train
-    from asyncrl.report import read_metrics
+    from asyncrl.report import profile, read_metrics
 
     began = time.monotonic()
     run_dir = train(cfg, log=lambda *a, **k: None)
@@ -122,7 +123,8 @@ def run_asyncrl(cfg) -> dict:
     points = [(round(times[v], 3), v, str(run_dir / "checkpoints" / f"step_{v:06d}")) for v in versions]
     return {"points": points, "train_seconds": summary["train_seconds"], "wall_seconds": round(wall, 1),
             "samples_per_s": summary["samples_per_s"], "staleness_mean": summary["staleness_mean"],
-            "threads": summary["threads"], "overhead": summary.get("framework_overhead_fraction")}
+            "threads": summary["threads"], "overhead": summary.get("framework_overhead_fraction"),
+            "profile": profile(steps[-1])}
 
 
 def score_snapshots(cfg, points: list, eval_size: int) -> list[tuple[float, int, float]]:
@@ -206,6 +208,19 @@ def table(name: str, s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profiles(name: str, runs: dict[str, list[dict]]) -> str:
+    """Where each system's time went (its first seed), by role and phase, largest first: the next
+    bottleneck of each."""
+    lines = [f"**{name}**: where the time went (seconds, first seed)\n", "| system | role | phases |",
+             "|---|---|---|"]
+    for system, rs in runs.items():
+        for role, phases in rs[0]["profile"].items():
+            top = sorted(phases.items(), key=lambda kv: -kv[1])
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in top if v >= 0.05)
+            lines.append(f"| {system} | {role} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -283,10 +298,12 @@ def main() -> None:
                 )
                 runs.setdefault(system, []).append(r)
         results[name] = {"steps": steps, "runs": runs, "summary": summarize(runs, args.target)}
-        print("\n" + table(name, results[name]["summary"]), flush=True)
+        print("\n" + table(name, results[name]["summary"]) + "\n" + profiles(name, runs), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=1, default=str))
-    (OUT / f"{args.name}.md").write_text("\n".join(table(n, r["summary"]) for n, r in results.items()))
+    (OUT / f"{args.name}.md").write_text(
+        "\n".join(table(n, r["summary"]) + "\n" + profiles(n, r["runs"]) for n, r in results.items())
+    )
     plot(results, OUT / f"{args.name}.png")
     print(f"wrote {OUT / args.name}.{{json,md,png}}")
 

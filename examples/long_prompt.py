@@ -1,6 +1,6 @@
 """A task of long prompts and short answers: a two-digit sum after a long, irrelevant preamble.
 
-The question opens with an inventory of about 25 made-up items and counts (~100 tokens), different for
+The question opens with an inventory of 12 made-up items and counts (~100 tokens), different for
 every item, then asks for a sum that does not depend on it: `... | 37+12=` -> `49` (1-3 tokens). Long
 problem statements with short verifiable answers are a common shape of RL post-training data; every
 sample of a group carries the whole prompt, so it is where training a group's shared prompt once
@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 ITEMS = ["red", "blue", "green", "gold", "grey", "pink", "teal", "jade", "ruby", "sand", "iron", "salt"]
-PREAMBLE_ITEMS = 25
+PREAMBLE_ITEMS = 12
 
 
 def sums_after_preamble(index: int, seed: int) -> dict:
