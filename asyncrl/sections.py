@@ -88,6 +88,10 @@ class WarmstartConfig(Section):
     # shows (asyncrl/rewards/teachers.py); None: the task's own answer
     teacher: str | None = "asyncrl.rewards.teachers:drops_overflow"
     teacher_params: dict[str, Any] = {"slip": 0.7}
+    # a policy (HF name or directory) to fine-tune instead of a freshly built tiny model: its tokenizer and
+    # weights, so a new task's warm start can begin from a policy that already has the skill (e.g. the
+    # default's sums, for the same sums behind a long preamble); the architecture fields are then unused
+    base: str | None = None
 
     @model_validator(mode="after")
     def _check_heads(self) -> "WarmstartConfig":

@@ -19,7 +19,13 @@ from asyncrl.agents.chat import Renderer, conversation_segments
 from asyncrl.config import Config
 from asyncrl.imports import import_object
 from asyncrl.inference.engine import Engine, SamplingParams
-from asyncrl.model import build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, chatml_corpus
+from asyncrl.model import (
+    build_bpe_tokenizer,
+    build_char_tokenizer,
+    build_tiny_model,
+    chatml_corpus,
+    load_policy,
+)
 from asyncrl.rewards.tasks import BadTaskRow, TaskSource, eval_entries, load_tasks
 
 CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
@@ -135,10 +141,14 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     eval_tasks = load_tasks(cfg.task, held_out=True) or train_tasks
     demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
     teacher = _teacher(ws)
-    tokenizer = build_tokenizer(cfg, train_tasks, demos)
-    model = build_tiny_model(
-        tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads
-    )
+    if ws.base:
+        model, tokenizer = load_policy(ws.base)
+    else:
+        tokenizer = build_tokenizer(cfg, train_tasks, demos)
+        model = build_tiny_model(
+            tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads
+        )
+    architecture = model.config.model_type
     n_params = sum(p.numel() for p in model.parameters())
     renderer = Renderer(tokenizer)
 
@@ -152,11 +162,9 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
                 continue
 
     source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
-    log(
-        f"warmstart: {n_params / 1e6:.2f}M-parameter {ws.architecture}, "
-        f"{ws.tokenizer} tokenizer of {len(tokenizer)} "
-        f"tokens, {ws.steps} steps of supervised training on {source}"
-    )
+    built = ws.base or f"{ws.tokenizer} tokenizer"
+    log(f"warmstart: {n_params / 1e6:.2f}M-parameter {architecture}, {built} of {len(tokenizer)} tokens, "
+        f"{ws.steps} steps of supervised training on {source}")
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, ws.steps, ws.warmup_steps))
     start, step, loss_value = time.monotonic(), 0, float("nan")
@@ -188,7 +196,7 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     )
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,
-               "tokenizer": ws.tokenizer, "vocab": len(tokenizer), "architecture": ws.architecture,
+               "tokenizer": ws.base or ws.tokenizer, "vocab": len(tokenizer), "architecture": architecture,
                "recipe": recipe(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

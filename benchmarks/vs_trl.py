@@ -46,10 +46,13 @@ WORKLOADS = {
         "--task.name", "examples/long_tail.py:reverse_digits", "--rollout.max_tokens", "34",
         "--inference.max_prompt_tokens", "64", "--trainer.lr", "1e-4", "--warmstart.steps", "250",
     ]},
-    # ~100-token prompts, 1-3-token answers (examples/long_prompt.py): the trainer re-ran each prompt G times
-    "long_prompt": {"model": "models/tiny-long-prompt", "steps": 120, "overrides": [
+    # ~130-token prompts, 1-3-token answers (examples/long_prompt.py): the trainer re-ran each prompt G times.
+    # Its warm start fine-tunes the uniform workload's policy (which can add) for 300 steps: from scratch,
+    # 1500 steps left a 1M-parameter policy at 5% behind the preamble.
+    "long_prompt": {"model": "models/tiny-long-prompt", "steps": 120, "base": "uniform", "overrides": [
         "--task.name", "examples/long_prompt.py:sums_after_preamble", "--task.prompt_format", "question",
-        "--inference.max_prompt_tokens", "320",
+        "--inference.max_prompt_tokens", "320", "--warmstart.base", str(ROOT / "models/tiny-default"),
+        "--warmstart.steps", "300", "--warmstart.warmup_steps", "20",
     ]},
 }
 
@@ -70,6 +73,8 @@ def ensure_model(name: str) -> None:
     from asyncrl.warmstart import warmstart
 
     path = ROOT / WORKLOADS[name]["model"]
+    if "base" in WORKLOADS[name]:
+        ensure_model(WORKLOADS[name]["base"])
     if not path.exists():
         print(f"warm-starting {path} for {name}", flush=True)
         cfg = load_config(overrides=WORKLOADS[name]["overrides"])
