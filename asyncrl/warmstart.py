@@ -142,7 +142,10 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
     teacher = _teacher(ws)
     if ws.base:
-        model, tokenizer = load_policy(ws.base)
+        try:
+            model, tokenizer = load_policy(ws.base)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"warmstart.base: {e}") from None
     else:
         tokenizer = build_tokenizer(cfg, train_tasks, demos)
         model = build_tiny_model(

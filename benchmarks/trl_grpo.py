@@ -32,8 +32,11 @@ def dataset(cfg, size: int):
 
     tasks = load_tasks(cfg.task)
     items = [tasks.item(i) for i in range(size)]
-    return Dataset.from_dict({"prompt": [tasks.prompt(e) for e in items],
-                              "entry": [json.dumps(e) for e in items]})
+    # a user turn, as asyncrl sends it (task.chat): TRL renders it with the tokenizer's chat template and the
+    # generation prompt; a plain string would reach the policy without the template it was trained on
+    prompts = [[{"role": "user", "content": tasks.prompt(e)}] if cfg.task.chat else tasks.prompt(e)
+               for e in items]
+    return Dataset.from_dict({"prompt": prompts, "entry": [json.dumps(e) for e in items]})
 
 
 def reward_function(cfg):
@@ -43,7 +46,9 @@ def reward_function(cfg):
     tasks = load_tasks(cfg.task)
 
     def task_reward(prompts, completions, entry, **_):
-        return [tasks.score(c, json.loads(e)) for c, e in zip(completions, entry)]
+        # (a conversational completion is the list of its messages: the assistant's reply)
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [tasks.score(t, json.loads(e)) for t, e in zip(texts, entry)]
 
     return task_reward
 
