@@ -27,7 +27,7 @@ from asyncrl.files import poll, write_atomic
 from asyncrl.inference import replica
 from asyncrl.ray_roles import trainer_info_file
 
-MODULES = {"trainer": "asyncrl.trainer.main", "orchestrator": "asyncrl.orchestrator.main"}
+MODULES = {"trainer": "asyncrl.trainer.main", "orchestrator": "asyncrl.orchestrator"}
 
 
 class RunError(RuntimeError):

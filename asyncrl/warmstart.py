@@ -107,8 +107,9 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 def recipe(cfg: Config) -> dict:
     """What a warm-started policy is a function of: the launcher rebuilds the default policy when it
     changes."""
+    unset = {"base"} if cfg.warmstart.base is None else set()  # (older policies stay current)
     return cfg.model_dump(mode="json", include={
-        "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"},
+        "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"} - unset,
         "task": {"name", "params", "prompt_format", "chat", "holdout"}})
 
 

@@ -74,7 +74,7 @@ def test_silent_inference_server_fails_the_orchestrator_within_its_deadline(tmp_
     (run_dir / "replicas").mkdir()
     (run_dir / "replicas" / "0.json").write_text(json.dumps({"url": url}))
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "asyncrl.orchestrator.main", str(run_dir)],
+    out = subprocess.run([sys.executable, "-m", "asyncrl.orchestrator", str(run_dir)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     record("seconds_to_spare", 30 - (time.monotonic() - start), threshold=0)

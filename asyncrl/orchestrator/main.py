@@ -13,14 +13,13 @@ go back to the ready pool, the gate and the cursor are recounted. If the inferen
 away mid-run, the orchestrator waits for it to come back, has it load the served version again
 and retries what was lost.
 
-Run as `python -m asyncrl.orchestrator.main RUN_DIR`.
+Run as `python -m asyncrl.orchestrator RUN_DIR` (asyncrl/orchestrator/__main__.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
 from asyncrl.events import EventLog
-from asyncrl.fatal import run_role
 from asyncrl.files import apoll, write_atomic
 from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
@@ -395,6 +393,3 @@ async def main(run_dir: Path) -> None:
         verifiers.close()
     logging.getLogger("asyncrl.orchestrator").info("orchestrator: done")
 
-
-if __name__ == "__main__":
-    run_role("orchestrator", sys.argv[1], lambda: asyncio.run(main(Path(sys.argv[1]))))
