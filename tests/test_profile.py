@@ -1,6 +1,8 @@
 """The pieces issue 7 added for speed: where time goes, length buckets, the thread plan, batched scoring."""
 import asyncio
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,3 +115,22 @@ def test_batched_scoring_fails_only_the_item_that_hangs_or_raises(tests_on_path)
     assert isinstance(results[3], VerifierError) and "ValueError: asked to" in str(results[3])
     # the verifiers' own CPU time: burn's 0.05 s and microseconds for the rest; the hung one is not counted
     assert 0.05 <= cpu < 0.5, cpu
+
+
+def test_verifier_workers_do_not_import_the_orchestrator_again():
+    """multiprocessing's fork server prepares each worker it forks by importing the parent's main module
+    again, unless that is a package's __main__: the orchestrator role runs as one, so that its verifier
+    workers start without its imports (they held the first batch's scores back by seconds)."""
+    from asyncrl.supervisor import MODULES
+
+    def imported_by_a_worker(main_module: str) -> list[str]:
+        code = ("import sys, multiprocessing.spawn as spawn; "
+                f"spawn.prepare({{'init_main_from_name': {main_module!r}}}); "
+                "print('asyncrl.orchestrator.rollout' in sys.modules, 'aiohttp' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert MODULES["orchestrator"] == "asyncrl.orchestrator"  # run as -m: __main__'s name is .__main__
+    assert imported_by_a_worker("asyncrl.orchestrator.__main__") == ["False", "False"]
+    assert imported_by_a_worker("asyncrl.orchestrator.main") == ["True", "True"]  # (as it was)
