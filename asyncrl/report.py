@@ -190,13 +190,14 @@ def table(summary: dict) -> str:
     return f"| metric | value |\n|---|---|\n{rows}\n"
 
 
+def largest_first(phases: dict[str, float], least: float = float("-inf")) -> str:
+    """A role's phases as `name seconds, ...`, largest first (those under `least` seconds left out)."""
+    ordered = sorted(phases.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v:.1f}" for k, v in ordered if v >= least)
+
+
 def profile_table(roles: dict[str, dict[str, float]]) -> str:
-    rows = "\n".join(
-        f"| {role} | "
-        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
-        + " |"
-        for role, phases in roles.items()
-    )
+    rows = "\n".join(f"| {role} | {largest_first(phases)} |" for role, phases in roles.items())
     return f"| role | phases, largest first |\n|---|---|\n{rows}\n"
 
 

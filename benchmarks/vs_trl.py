@@ -40,8 +40,9 @@ RUNS = OUT / "runs"
 
 # The default CPU job, a reversal task whose answer lengths are long-tailed (examples/long_tail.py), and
 # sums after a long preamble (examples/long_prompt.py).
+DEFAULT_MODEL = "models/tiny-default"
 WORKLOADS = {
-    "uniform": {"model": "models/tiny-default", "steps": 200, "overrides": []},
+    "uniform": {"model": DEFAULT_MODEL, "steps": 200, "overrides": []},
     # (one token per character, so that reversing is reversing; a short warm start: after 100 steps or more
     # the policy solves every short string, 84% of the items, and the long ones are beyond it: RL gained
     # nothing. After 50 it solves 55%.)
@@ -55,7 +56,7 @@ WORKLOADS = {
     # 1500 steps left a 1M-parameter policy at 5% behind the preamble.
     "long_prompt": {"model": "models/tiny-long-prompt", "steps": 120, "base": "uniform", "overrides": [
         "--task.name", "examples/long_prompt.py:sums_after_preamble", "--task.prompt_format", "question",
-        "--inference.max_prompt_tokens", "320", "--warmstart.base", str(ROOT / "models/tiny-default"),
+        "--inference.max_prompt_tokens", "320", "--warmstart.base", str(ROOT / DEFAULT_MODEL),
         "--warmstart.steps", "300", "--warmstart.warmup_steps", "20",
     ]},
 }
@@ -220,13 +221,13 @@ def table(name: str, s: dict) -> str:
 def profiles(name: str, runs: dict[str, list[dict]]) -> str:
     """Where each system's time went (its first seed), by role and phase, largest first: the next
     bottleneck of each."""
+    from asyncrl.report import largest_first
+
     lines = [f"**{name}**: where the time went (seconds, first seed)\n", "| system | role | phases |",
              "|---|---|---|"]
     for system, rs in runs.items():
         for role, phases in rs[0]["profile"].items():
-            top = sorted(phases.items(), key=lambda kv: -kv[1])
-            shown = ", ".join(f"{k} {v:.1f}" for k, v in top if v >= 0.05)
-            lines.append(f"| {system} | {role} | {shown} |")
+            lines.append(f"| {system} | {role} | {largest_first(phases, least=0.05)} |")
     return "\n".join(lines) + "\n"
 
 
