@@ -146,7 +146,9 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
         try:
             model, tokenizer = load_policy(ws.base)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"warmstart.base: {e}") from None
+            local = Path(ws.base).exists()
+            where = "" if local else " (no directory of that name here, so it was tried as a hub name)"
+            raise FileNotFoundError(f"warmstart.base = {ws.base!r}{where}: {e}") from None
     else:
         tokenizer = build_tokenizer(cfg, train_tasks, demos)
         model = build_tiny_model(
