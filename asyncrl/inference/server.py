@@ -33,7 +33,7 @@ import orjson
 import torch
 from aiohttp import web
 
-from asyncrl import weights
+from asyncrl import event_loop, weights
 from asyncrl.access import LOOPBACK, ensure_token, inside
 from asyncrl.config import read_run_config
 from asyncrl.fatal import configure_logging
@@ -276,4 +276,4 @@ async def serve(run_dir: Path, index: int = 0) -> None:
 
 if __name__ == "__main__":
     configure_logging(sys.argv[1])
-    asyncio.run(serve(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    event_loop.run(serve(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -6,11 +6,11 @@ server, and each child imports the parent's main module again unless it is a pac
 of CPU each), which held the first batch's scores back by ~3.4 s of a 30 s run.
 """
 if __name__ == "__main__":
-    import asyncio
     import sys
     from pathlib import Path
 
+    from asyncrl import event_loop
     from asyncrl.fatal import run_role
     from asyncrl.orchestrator.main import main
 
-    run_role("orchestrator", sys.argv[1], lambda: asyncio.run(main(Path(sys.argv[1]))))
+    run_role("orchestrator", sys.argv[1], lambda: event_loop.run(main(Path(sys.argv[1]))))
