@@ -348,7 +348,6 @@ class Orchestrator:
     async def run(self) -> None:
         await self._connect_trainer()
         await self.router.start()
-        warm = asyncio.create_task(self.verifiers.warm())  # while the first rollouts generate
         loops = [asyncio.create_task(self.admit()), asyncio.create_task(self.assemble())]
         beat = asyncio.create_task(self.heartbeat.beat_forever())
         proxy = None
@@ -363,7 +362,7 @@ class Orchestrator:
                 task.result()  # re-raise the first failure
             await follow
         finally:  # nothing may run on against the ledger once it is closed
-            tasks = [warm, beat, follow, *loops, *self.in_flight, *self.evals]
+            tasks = [beat, follow, *loops, *self.in_flight, *self.evals]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -386,7 +385,12 @@ async def main(run_dir: Path) -> None:
     verifiers = VerifierPool(cfg.task, cfg.task.verifier_workers)
     try:
         await router.reachable()  # (a server that never answers fails the role before anything slow)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        # The verifier workers import the task code (reasoning-gym: ~1.5 s of CPU) while the tokenizer
+        # loads, and before the run's clock starts: started beside the first rollouts, that import held
+        # the first batch's scores back and took a core from generation.
+        warm = asyncio.create_task(verifiers.warm())
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
+        await warm
         await Orchestrator(cfg, run_dir, router, tokenizer, verifiers, link).run()
     finally:
         await router.close()
