@@ -300,7 +300,9 @@ class InferenceConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port (replica i: port + i)")
     threads: int = Field(0, ge=0)
-    max_batch_sequences: int = Field(512, ge=1, description="rows in the running batch")
+    # 256, not 512: at η = 4 the first five batches arrive at once, and with 512 rows the first one finished
+    # with the rest (version 1 at 1.2-1.3 s against 0.75-0.9 s, 30 uniform steps); tokens/s no lower on CPU
+    max_batch_sequences: int = Field(256, ge=1, description="rows in the running batch")
     max_batch_tokens: int = Field(2**18, ge=1, description="rows × longest row the KV cache may hold")
     max_waiting_sequences: int = Field(100_000, ge=1, description="beyond this, requests get 429")
     max_prompt_tokens: int = Field(256, ge=1)
