@@ -63,6 +63,7 @@ class Orchestrator:
         self.failure: Exception | None = None  # first rollout or evaluation error; ends the role
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
+        self.in_flight_peak = 0  # the most groups generating at once since the last step record
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
@@ -156,10 +157,9 @@ class Orchestrator:
 
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
-        limit = self.cfg.rollout.max_concurrent_groups
         while True:
             needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
-            room = lambda: not self.paused and len(self.in_flight) < limit  # noqa: E731
+            room = lambda: not self.paused and len(self.in_flight) < self.cfg.rollout.max_concurrent_groups  # noqa: E731
             await self._wait_for(
                 lambda: self.assembled or (room() and (bool(self.reissue) or (
                     self.gate.admitted < needed and self.gate.can_admit(self.router.version)))),
@@ -175,8 +175,8 @@ class Orchestrator:
                 index = self.cursor
                 self.cursor += 1
             try:
-                limit = self.cfg.inference.max_prompt_tokens
-                entry, prompt = servable_prompt(self.tasks, index, self.tokenizer, limit)
+                entry, prompt = servable_prompt(self.tasks, index, self.tokenizer,
+                                                self.cfg.inference.max_prompt_tokens)
             except BadTaskRow as e:  # the row is skipped, not the run
                 if reissued:  # (a re-issued prompt was good before; it held a slot)
                     self.gate.release()
@@ -191,6 +191,7 @@ class Orchestrator:
             self.ledger.dispatch(index)
             task = asyncio.create_task(self._run_group(index, entry, prompt))
             self.in_flight.add(task)
+            self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
             task.add_done_callback(self.in_flight.discard)
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
@@ -286,7 +287,7 @@ class Orchestrator:
             version += 1
             marker = await self._wait_for_version(version)
             await self.router.load(version, marker)
-            record = await self._step_record(version, marker)
+            record = step_record(self, version, marker, await self.router.stats())
             self.ledger.record_step(version, record)
             await self._notify()
             self._write_metrics(record)
@@ -325,14 +326,6 @@ class Orchestrator:
                 f"{deadline:.0f}s (timeouts.train_step)")
         return await pausing.patiently(self.run_dir, deadline,
                                        lambda: self.link.marker(version, deadline, what, failed))
-
-    async def _step_record(self, version: int, marker: dict) -> dict:
-        now, stats = time.monotonic(), await self.router.stats()
-        (t_prev, tok_prev), tokens = self.last_gen, stats["tokens_generated"]
-        self.last_gen = (now, tokens)
-        # (0 across a restart, whose counter starts again)
-        generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0
-        return step_record(self, version, marker, stats, generated / max(now - t_prev, 1e-9))
 
     async def evaluate(self) -> None:
         """Held-out greedy accuracy under the version served; a failure ends the role, as a rollout's does."""

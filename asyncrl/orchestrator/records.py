@@ -57,14 +57,20 @@ def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_sinc
 MARKER_IDS = ("step", "version", "hash", "serving_hash", "batch_digest")  # a marker's fields, not metrics
 
 
-def step_record(orch, version: int, marker: dict, stats: dict, gen_tokens_per_s: float) -> dict:
+def step_record(orch, version: int, marker: dict, stats: dict) -> dict:
     """The metrics record of version `version`: the batch's statistics, the trainer's marker, the
-    inference server's counters and where each role's time went."""
+    inference server's counters (`stats`) and where each role's time went. Starts the next record's
+    rates and peaks."""
+    now, tokens = time.monotonic(), stats["tokens_generated"]
+    (t_prev, tok_prev), orch.last_gen = orch.last_gen, (now, tokens)
+    # (0 across a restart, whose counter starts again)
+    generated = tokens - tok_prev if tok_prev is not None and tokens >= tok_prev else 0
+    peak, orch.in_flight_peak = orch.in_flight_peak, len(orch.in_flight)
     return {
         "step": version - 1, "version": version, "time": orch._now(),
         "steps": orch.cfg.run.steps,  # (the run's length: live, asyncrl ctl RUN stop / set run.steps)
         **orch.ledger.step_stats(version - 1),
-        "gen_tokens_per_s": gen_tokens_per_s,
+        "gen_tokens_per_s": generated / max(now - t_prev, 1e-9),
         "inference_busy_seconds": stats["busy_seconds"],
         "tokens_discarded": stats.get("tokens_discarded", 0),
         # (the built-in engine's, all told: fed to admit requests, and found in its prefix cache)
@@ -75,7 +81,7 @@ def step_record(orch, version: int, marker: dict, stats: dict, gen_tokens_per_s:
         "trainer_idle_seconds": marker.pop("idle_seconds"),
         "orchestrator_cpu_seconds": time.process_time(),
         **profile(stats, orch.phases, orch.verifiers, orch.cpu_at_start, orch.up_since),
-        "in_flight_groups": len(orch.in_flight), "ready_groups": len(orch.ready),
-        "replicas_routed": stats["replicas_routed"],
+        "in_flight_groups": len(orch.in_flight), "in_flight_groups_max": peak,
+        "ready_groups": len(orch.ready), "replicas_routed": stats["replicas_routed"],
         **{k: v for k, v in marker.items() if k not in MARKER_IDS},
     }
