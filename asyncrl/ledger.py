@@ -83,10 +83,12 @@ class Ledger:
         self._tx([("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))])
 
     # --- prompts ------------------------------------------------------------------------
-    def dispatch(self, prompt_id: int) -> None:
-        """A group of samples of this prompt is being generated (again, after a restart)."""
-        self._tx([("INSERT INTO prompts VALUES (?, 'in_flight', 1, NULL) "
-                   "ON CONFLICT (prompt_id) DO UPDATE SET attempts = attempts + 1", (prompt_id,))])
+    def dispatch(self, prompt_ids: list[int]) -> None:
+        """A group of samples of each of these prompts is being generated (again, after a restart)."""
+        if prompt_ids:
+            upsert = ("INSERT INTO prompts VALUES (?, 'in_flight', 1, NULL) "
+                      "ON CONFLICT (prompt_id) DO UPDATE SET attempts = attempts + 1")
+            self._tx([(upsert, (p,)) for p in prompt_ids])
 
     def drop_prompt(self, prompt_id: int, reason: str) -> None:
         self._tx([("INSERT OR REPLACE INTO prompts VALUES (?, 'dropped', 0, ?)", (prompt_id, reason))])

@@ -13,11 +13,11 @@ def traj(prompt_id: int, k: int, version: int, reward: float = 1.0) -> Trajector
 
 def test_a_group_moves_from_dispatch_to_commit(tmp_path):
     led = Ledger(tmp_path)
-    led.dispatch(0)
-    led.dispatch(1)
+    led.dispatch([0])
+    led.dispatch([1])
     assert led.in_flight() == [0, 1] and led.live_groups() == 2 and led.next_prompt_id() == 2
     led.finish(0, [traj(0, 0, 0), traj(0, 1, 0)], [("0-2", "verifier_error")])
-    led.dispatch(1)  # re-issued after a restart: one prompt row, two attempts
+    led.dispatch([1])  # re-issued after a restart: one prompt row, two attempts
     assert led.in_flight() == [1]
     assert [t.id for g in led.ready_groups() for t in g] == ["0-0", "0-1"]
     group = led.ready_groups()[0]
@@ -34,7 +34,7 @@ def test_a_group_moves_from_dispatch_to_commit(tmp_path):
 
 def test_a_sample_cannot_be_recorded_twice(tmp_path):
     led = Ledger(tmp_path)
-    led.dispatch(0)
+    led.dispatch([0])
     led.finish(0, [traj(0, 0, 0)], [])
     try:
         led.finish(0, [traj(0, 0, 0)], [])
@@ -48,7 +48,7 @@ def test_a_sample_cannot_be_recorded_twice(tmp_path):
 def test_too_stale_groups_give_their_gate_slot_back(tmp_path):
     led = Ledger(tmp_path)
     for p in range(3):
-        led.dispatch(p)
+        led.dispatch([p])
         led.finish(p, [traj(p, 0, 0)], [])
     led.drop_group(led.ready_groups()[0], "too_stale")
     assert led.live_groups() == 2
@@ -57,7 +57,7 @@ def test_too_stale_groups_give_their_gate_slot_back(tmp_path):
 
 def test_audit_catches_a_stale_sample_and_a_sample_in_two_batches(tmp_path):
     led = Ledger(tmp_path)
-    led.dispatch(0)
+    led.dispatch([0])
     led.finish(0, [traj(0, 0, version=0)], [])
     led.batch(5, led.ready_groups()[0], {})
     write_batch(tmp_path, 5, [traj(0, 0, 0)])
@@ -71,7 +71,7 @@ def test_metrics_are_a_projection_of_the_ledger(tmp_path):
     led = Ledger(tmp_path)
     led.record_eval({"eval_version": 0, "eval_accuracy": 0.4})
     for step in range(2):
-        led.dispatch(step)
+        led.dispatch([step])
         led.finish(step, [traj(step, 0, step)], [])
         led.batch(step, led.ready_groups()[0], {"reward": 1.0})
         led.record_step(step + 1, {"step": step, "version": step + 1})

@@ -38,6 +38,7 @@ from asyncrl.orchestrator import control
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
+from asyncrl.orchestrator.prompts import next_prompt
 from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
@@ -45,7 +46,7 @@ from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.orchestrator.trainer_link import trainer_link
 from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
-from asyncrl.rewards.tasks import BadTaskRow, load_tasks, servable_prompt
+from asyncrl.rewards.tasks import load_tasks
 from asyncrl.sinks import Sinks
 from asyncrl.trajectory import Trajectory, batch_path, write_batch
 
@@ -158,41 +159,26 @@ class Orchestrator:
     # --- admit --------------------------------------------------------------------------
     async def admit(self) -> None:
         while True:
-            needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
-            room = lambda: not self.paused and len(self.in_flight) < self.cfg.rollout.max_concurrent_groups  # noqa: E731
-            await self._wait_for(
-                lambda: self.assembled or (room() and (bool(self.reissue) or (
-                    self.gate.admitted < needed and self.gate.can_admit(self.router.version)))),
-                self.cfg.timeouts.train_step, "room to start a rollout (the trainer publishes versions)",
-            )
+            await self._wait_for(lambda: self.assembled or self._may_admit(0), self.cfg.timeouts.train_step,
+                                 "room to start a rollout (the trainer publishes versions)")
             if self.assembled:
                 return
-            reissued = bool(self.reissue)
-            if reissued:
-                index = self.reissue.pop(0)
-                self.events.write("prompt_reissued", prompt_id=index)
-            else:
-                index = self.cursor
-                self.cursor += 1
-            try:
-                entry, prompt = servable_prompt(self.tasks, index, self.tokenizer,
-                                                self.cfg.inference.max_prompt_tokens)
-            except BadTaskRow as e:  # the row is skipped, not the run
-                if reissued:  # (a re-issued prompt was good before; it held a slot)
-                    self.gate.release()
-                self.ledger.drop_prompt(index, "bad_row")
-                if str(e) not in self.bad_rows:
-                    self.bad_rows.add(str(e))
-                    self.events.write("prompt_dropped", reason="bad_row", prompt_id=index, error=str(e))
-                self.breaker.record(0, [("bad_row", str(e))])
-                continue
-            if not reissued:
-                self.gate.admit()
-            self.ledger.dispatch(index)
-            task = asyncio.create_task(self._run_group(index, entry, prompt))
-            self.in_flight.add(task)
+            wave = []  # every group there is room for now: their dispatch records go in one transaction
+            while self._may_admit(len(wave)) and (started := next_prompt(self)):  # (a bad row ends a wave)
+                wave.append(started)
+            self.ledger.dispatch([index for index, _, _ in wave])
+            for index, entry, prompt in wave:
+                task = asyncio.create_task(self._run_group(index, entry, prompt))
+                self.in_flight.add(task)
+                task.add_done_callback(self.in_flight.discard)
             self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
-            task.add_done_callback(self.in_flight.discard)
+
+    def _may_admit(self, pending: int) -> bool:
+        """Whether one more group may start, `pending` being admitted already but not yet started."""
+        needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
+        room = not self.paused and len(self.in_flight) + pending < self.cfg.rollout.max_concurrent_groups
+        return room and (bool(self.reissue) or (
+            self.gate.admitted < needed and self.gate.can_admit(self.router.version)))
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
         try:
@@ -381,9 +367,8 @@ async def main(run_dir: Path) -> None:
         # The verifier workers import the task code (reasoning-gym: ~1.5 s of CPU) while the tokenizer
         # loads, and before the run's clock starts: started beside the first rollouts, that import held
         # the first batch's scores back and took a core from generation.
-        warm = asyncio.create_task(verifiers.warm())
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path)
-        await warm
+        tokenizer, _ = await asyncio.gather(asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.path),
+                                            verifiers.warm())
         await Orchestrator(cfg, run_dir, router, tokenizer, verifiers, link).run()
     finally:
         await router.close()
