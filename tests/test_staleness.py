@@ -1,3 +1,8 @@
+import random
+import statistics
+
+import pytest
+
 from asyncrl.orchestrator.advantages import group_advantages
 from asyncrl.orchestrator.staleness import StalenessGate
 
@@ -42,3 +47,6 @@ def test_group_advantages():
     assert abs(adv[0] - 1.0) < 1e-5 and abs(adv[1] + 1.0) < 1e-5  # population std = 0.5
     assert group_advantages([1.0, 0.0, 0.0, 1.0], "dr_grpo") == [0.5, -0.5, -0.5, 0.5]
     assert group_advantages([3.0, 0.0, 0.0], "rloo") == [3.0, -1.5, -1.5]
+    rewards = [random.Random(seed).uniform(-5, 5) for seed in range(16)]  # population std, to float precision
+    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
+    assert group_advantages(rewards) == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], rel=1e-12)

@@ -1,14 +1,15 @@
 """Group-relative advantages (ALGORITHMS.md, "Advantages"): one number per trajectory."""
 from __future__ import annotations
 
+import math
 import statistics
 
 
 def group_advantages(rewards: list[float], kind: str = "grpo") -> list[float]:
     """grpo: (R − mean) / (std + 1e-6), population std; dr_grpo: R − mean; rloo: R − mean of the others."""
     mean = statistics.fmean(rewards)
-    if kind == "grpo":
-        std = statistics.pstdev(rewards)
+    if kind == "grpo":  # (statistics.pstdev computes in fractions: 0.2 ms a group, most of assembly's CPU)
+        std = math.sqrt(statistics.fmean([(r - mean) ** 2 for r in rewards]))
         return [(r - mean) / (std + 1e-6) for r in rewards]
     if kind == "dr_grpo":
         return [r - mean for r in rewards]

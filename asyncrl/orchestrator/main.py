@@ -18,6 +18,7 @@ Run as `python -m asyncrl.orchestrator RUN_DIR` (asyncrl/orchestrator/__main__.p
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import time
@@ -89,7 +90,9 @@ class Orchestrator:
         self.paused = led.get("paused", False)  # (asyncrl ctl RUN pause: admission stops)
         pausing.record(self.run_dir, self.paused)
         self.reissue = led.in_flight()  # their generation died with an earlier process
-        self.ready: list[list[Trajectory]] = led.ready_groups()
+        self.ready: list[tuple] = []  # finished groups, a heap: (oldest version, prompt id, group)
+        for group in led.ready_groups():
+            self._finished(group)
         self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
         batched = led.batched_steps()
         self.next_step = len(batched)
@@ -208,13 +211,18 @@ class Orchestrator:
             self.ledger.finish(index, group, [(d["id"], d["reason"]) for d in dropped],
                                meta={"baseline": baseline} if baseline is not None else None)
         if group:
-            self.ready.append(group)
+            self._finished(group)
         else:
             self.gate.release()
         try:  # (after the ledger: the failed samples are on record however the run ends)
             self.breaker.record(len(group), [(d["reason"], d.get("error", "")) for d in dropped])
         except RunCannotProgress as e:
             self._fail(e)
+
+    def _finished(self, group: list[Trajectory]) -> None:
+        """Into the pool batches are packed from, the oldest first (a group's prompt breaks ties: the same
+        order after a restart)."""
+        heapq.heappush(self.ready, (min(t.oldest_version for t in group), group[0].prompt_id, group))
 
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
@@ -230,9 +238,7 @@ class Orchestrator:
             while len(batch) < per_step:
                 await self._wait_for(lambda: bool(self.ready), self.cfg.timeouts.train_step,
                                      f"finished rollouts for batch {step}")
-                self.ready.sort(key=lambda g: min(t.oldest_version for t in g))  # oldest first
-                group = self.ready.pop(0)
-                oldest = min(t.oldest_version for t in group)
+                oldest, _, group = heapq.heappop(self.ready)
                 # (the trainer's logprobs are at this step's temperature: a group drawn at another is dropped)
                 sampled_at = group[0].info.get("temperature", self.cfg.rollout.temperature)
                 fresh = self.gate.fresh_enough(oldest, step)
