@@ -242,14 +242,17 @@ def test_pause_resume_abort(server):
     assert after[0]["finish_reason"] in ("stop", "length")
 
 
-def test_a_request_whose_client_goes_away_stops_generating(server):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_request_whose_client_goes_away_stops_generating(server, streamed):
     """Cancelled on the client (a group retried, a run stopping): the server drops its sequences
     instead of generating them for no one. Paused, so the request is certainly still waiting."""
     url = server[0]
 
     async def go(client):
         await client._call("POST", "/pause", "pause")
-        pending = asyncio.create_task(client.complete([[1, 5, 6]], n=6, max_tokens=50, temperature=1.0))
+        pending = asyncio.create_task(
+            client.complete_groups([[1, 5, 6], [1, 5]], 3, 50, 1.0, 1.0, lambda *_: None) if streamed
+            else client.complete([[1, 5, 6]], n=6, max_tokens=50, temperature=1.0))
         deadline = asyncio.get_running_loop().time() + 30
         while (await client.stats())["waiting"] < 6:
             assert asyncio.get_running_loop().time() < deadline
@@ -263,6 +266,37 @@ def test_a_request_whose_client_goes_away_stops_generating(server):
 
     stats = call(go, url)
     assert stats["waiting"] == 0 and stats["running"] == 0
+
+
+def test_streamed_groups_come_each_as_soon_as_it_is_done(server):
+    """A request of several prompts with "stream_groups": a prompt's n samples come as soon as they are
+    all done, while the others still generate. Greedy decoding (deterministic): of a few prompts, one
+    the policy ends at once and one it runs to max_tokens, asked in the opposite order."""
+    url, _, model_path = server
+    _, tok = load_policy(model_path)
+    candidates = [tok(text)["input_ids"] for text in ("hello world", "12+30=", "7", "3+4= 7")] + [[5] * 10]
+    greedy = call(lambda c: c.complete(candidates, n=1, max_tokens=600, temperature=0.0), url)
+    outcomes = [(p, ch["finish_reason"], len(ch["token_ids"])) for p, ch in zip(candidates, greedy)]
+    short = [p for p, finish, length in outcomes if finish == "stop" and length < 9]
+    long = [p for p, finish, _ in outcomes if finish == "length"]
+    assert short and long, [(len(ch["token_ids"]), ch["finish_reason"]) for ch in greedy]
+
+    async def stream(client):
+        arrivals = []
+
+        def arrived(i, choices):  # (the long group still has ~580 steps to go: the stats call is early)
+            arrivals.append((i, choices, asyncio.ensure_future(client.stats())))
+
+        await client.complete_groups([long[0], short[0]], 2, 600, 0.0, 1.0, arrived)
+        return [(i, choices, await stats) for i, choices, stats in arrivals]
+
+    (first, choices, stats), (second, rest, _) = call(stream, url)
+    assert (first, second) == (1, 0)  # the short group first, though asked second
+    assert stats["running"] == 2  # ... while the long one's two samples were still generating
+    assert [c["prompt_index"] for c in choices] == [1, 1] and [c["index"] for c in choices] == [2, 3]
+    assert all(c["finish_reason"] == "stop" for c in choices)
+    assert all(len(c["token_ids"]) == 600 and c["finish_reason"] == "length" for c in rest)
+    assert choices[0]["token_ids"] == greedy[candidates.index(short[0])]["token_ids"]
 
 
 def test_admin_calls_need_the_runs_token_and_load_only_the_runs_own_weights(server, tmp_path):

@@ -50,3 +50,15 @@ def test_group_advantages():
     rewards = [random.Random(seed).uniform(-5, 5) for seed in range(16)]  # population std, to float precision
     mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
     assert group_advantages(rewards) == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], rel=1e-12)
+
+
+def test_a_wave_is_cut_into_contiguous_parts_per_replica_and_engine_batch():
+    from asyncrl.orchestrator.waves import parts
+
+    wave = list(range(10))
+    for replicas, most in [(1, 32), (3, 32), (1, 4), (2, 3), (20, 32), (0, 32), (1, 0)]:
+        cut = parts(wave, replicas, most)
+        assert [i for part in cut for i in part] == wave and all(cut)
+        assert len(cut) >= min(replicas, len(wave)) and all(len(p) <= max(most, 1) for p in cut)
+        assert max(map(len, cut)) - min(map(len, cut)) <= 1  # even
+    assert parts([], 2, 32) == []

@@ -17,7 +17,7 @@ from asyncrl.agents.chat import PolicySession, Renderer
 from asyncrl.agents.episode import Episode, Limits
 from asyncrl.agents.tool_calls import parse_hermes
 from asyncrl.model import IM_END, build_bpe_tokenizer, build_tiny_model, chatml_corpus
-from asyncrl.orchestrator.rollout import rollout_group
+from asyncrl.orchestrator.rollout import score_group
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
 
@@ -102,7 +102,10 @@ def test_a_completion_record_is_the_prompt_ids_and_the_sampled_ids(bpe_server, t
         try:
             async with InferenceClient(url, 30) as client:
                 await client.wait_healthy(30)
-                return await rollout_group(client, verifiers, entry, prompt, 0, cfg)
+                ro, got = cfg.rollout, {}
+                await client.complete_groups([prompt], ro.group_size, ro.max_tokens, ro.temperature, ro.top_p,
+                                             got.setdefault)
+                return await score_group(verifiers, entry, prompt, 0, got[0], 0.0, cfg)
         finally:
             verifiers.close()
 

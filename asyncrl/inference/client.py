@@ -71,12 +71,17 @@ class InferenceClient:
             await asyncio.sleep(wait)
             deadline, backoff = max(end - time.monotonic(), 0.1), min(2 * backoff, 8.0)
 
-    async def _request(self, method: str, endpoint: str, what: str, deadline: float, **kwargs):
-        """(status, body parsed as JSON or the raw text, Retry-After seconds or None)."""
+    async def _request(self, method: str, endpoint: str, what: str, deadline: float, lines=None, **kwargs):
+        """(status, body parsed as JSON or the raw text, Retry-After seconds or None). `lines`: a 200
+        answer is a stream of JSON lines, each handed to `lines` as it arrives (the body is then {})."""
         try:
             async with self._session.request(
                 method, self.url + endpoint, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
             ) as resp:
+                if resp.status == 200 and lines is not None:
+                    async for line in resp.content:
+                        lines(orjson.loads(line))
+                    return 200, {}, None
                 raw = await resp.read()
                 try:
                     body = orjson.loads(raw)
@@ -89,7 +94,10 @@ class InferenceClient:
             raise InferenceTimeout(
                 f"inference server {self.url} did not answer {what} within {deadline:.0f}s (timeouts.http)"
             ) from None
-        except aiohttp.ClientConnectionError as e:
+        except orjson.JSONDecodeError as e:
+            raise InferenceError(
+                f"inference server {self.url} streamed a line that is not JSON during {what}: {e}") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:  # (gone mid-stream: payload)
             raise InferenceUnavailable(
                 f"inference server {self.url} unreachable during {what}: {e}"
             ) from None
@@ -104,6 +112,22 @@ class InferenceClient:
         body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "stop_token_ids": stop_token_ids or [], "cache_prefix": cache_prefix}
         return (await self._call("POST", "/v1/completions", "a completion request", json=body))["choices"]
+
+    async def complete_groups(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                              top_p: float, on_group) -> None:
+        """`complete` for many prompts in one request: `on_group(i, choices)` gets prompt i's n choices as
+        soon as they are all done (the server streams them), whatever the other prompts' lengths."""
+        body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p, "stream_groups": True}
+        what = f"a completion request for {len(prompts)} prompts"
+
+        def group(line) -> None:
+            if not (isinstance(line, dict) and isinstance(line.get("prompt_index"), int)
+                    and isinstance(line.get("choices"), list)):
+                raise InferenceError(f"inference server {self.url} streamed {line!r:.120} during {what}")
+            on_group(line["prompt_index"], line["choices"])
+
+        await self._call("POST", "/v1/completions", what, json=body, lines=group)
 
     async def update_weights(self, body: dict, timeout: float) -> dict:
         """body: path, version, and optionally patch + base_version, hash, policy (see the server)."""

@@ -1,6 +1,7 @@
 """The inference server role: the engine behind HTTP.
 
-    POST /v1/completions   token ids in; token ids, per-token logprobs and versions out
+    POST /v1/completions   token ids in; token ids, per-token logprobs and versions out (with
+                           "stream_groups": one JSON line per prompt as soon as its n samples are done)
     GET  /health           200 once the model is loaded
     GET  /version          {"version": v}; with ?hash=1 also the sha256 of the served weights
     POST /update_weights   {"path": ..., "version": v}: load a safetensors file as version v
@@ -87,10 +88,9 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
 
-def _completion_response(
-    samples, n: int, prompts: list[list[int]], tokenizer, model_name: str
-) -> web.Response:
-    choices = [
+def _choices(samples, n: int, tokenizer, first: int = 0) -> list[dict]:
+    """The response's choice of each sample; `first`: the index of the first one in the request."""
+    return [
         {
             "index": i,
             "text": tokenizer.decode(s.token_ids, skip_special_tokens=True),
@@ -101,8 +101,14 @@ def _completion_response(
             **({"error": s.error} if s.error else {}),
             "prompt_index": i // n,
         }
-        for i, s in enumerate(samples)
+        for i, s in enumerate(samples, start=first)
     ]
+
+
+def _completion_response(
+    samples, n: int, prompts: list[list[int]], tokenizer, model_name: str
+) -> web.Response:
+    choices = _choices(samples, n, tokenizer)
     completion_tokens = sum(len(s.token_ids) for s in samples)
     return web.json_response({
         "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
@@ -144,6 +150,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 f"{worker.waiting()} sequences are already waiting "
                 f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later",
             )
+        if body.get("stream_groups"):
+            return await stream_groups(request, prompts, params, n)
         request_done = worker.call("generate", prompts, params)
         try:
             samples = await request_done
@@ -152,6 +160,28 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
             raise
         with worker.phases("respond"):
             return _completion_response(samples, n, prompts, tokenizer, model_name)
+
+    async def stream_groups(request: web.Request, prompts: list[list[int]], params, n: int):
+        """One line of JSON per prompt, {"prompt_index": i, "choices": [its n samples]}, as soon as its n
+        samples are done: many groups in one request (one HTTP exchange, not one each) and none waits
+        for another."""
+        finished: asyncio.Queue = asyncio.Queue()
+        request_done = worker.call("generate", prompts, params,
+                                   lambda i, samples: finished.put_nowait((i, samples)), n)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await response.prepare(request)
+            for _ in range(len(prompts) // n):
+                i, samples = await finished.get()
+                with worker.phases("respond"):
+                    choices = _choices(samples, n, tokenizer, first=i * n)
+                    line = orjson.dumps({"prompt_index": i, "choices": choices})
+                await response.write(line + b"\n")
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away: its rows stop
+            worker.call("cancel", request_done)
+            raise
+        await response.write_eof()
+        return response
 
     async def update_weights(request: web.Request) -> web.Response:
         """{"path": full safetensors, "version": v, optional "patch" + "base_version" (a sparse

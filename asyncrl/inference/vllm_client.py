@@ -93,6 +93,18 @@ class VLLMClient(InferenceClient):
         self.tokens_generated += sum(len(c["token_ids"]) for c in choices)
         return choices
 
+    async def complete_groups(self, prompts, n, max_tokens, temperature, top_p, on_group) -> None:
+        """A request per prompt, all at once: vLLM answers a request when all of its prompts are done."""
+        async def one(i: int, prompt: list[int]) -> None:
+            on_group(i, await self.complete([prompt], n, max_tokens, temperature, top_p))
+
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # (on the first failure the others stop: what was not delivered is asked again)
+            for task in tasks:
+                task.cancel()
+
     async def update_weights(self, body: dict, timeout: float) -> dict:
         version = body["version"]
         self.updating.clear()

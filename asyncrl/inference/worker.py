@@ -6,6 +6,7 @@ engine steps, so nothing the event loop does ever touches the engine mid-step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -98,17 +99,24 @@ class Worker:
                 future.set_exception(exc) if exc is not None else future.set_result(value)
         self.loop.call_soon_threadsafe(settle)
 
-    def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams) -> None:
-        left = [len(prompts)]
+    def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams, on_group=None,
+                      n: int = 1) -> None:
+        """`on_group(i, samples)`, called on the event loop, hears of each group of `n` sequences (prompt i's,
+        `prompts` holding each prompt n times) as soon as its last one finishes; `future` of them all."""
+        left, group_left = [len(prompts)], [n] * (len(prompts) // n)
         seqs: list[Sequence] = []
 
-        def done(_seq: Sequence) -> None:
+        def done(i: int, _seq: Sequence) -> None:
+            if on_group is not None:
+                group_left[i] -= 1
+                if group_left[i] == 0:
+                    self.loop.call_soon_threadsafe(on_group, i, [s.sample for s in seqs[i * n:(i + 1) * n]])
             left[0] -= 1
             if left[0] == 0:
                 self.requests.pop(future, None)
                 self._resolve(future, [s.sample for s in seqs])
 
-        seqs.extend(Sequence(p, params, done) for p in prompts)
+        seqs.extend(Sequence(p, params, functools.partial(done, k // n)) for k, p in enumerate(prompts))
         self.requests[future] = seqs
         self.engine.add(seqs)
         with self.queued_lock:

@@ -35,14 +35,14 @@ from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.ledger import Ledger
 from asyncrl.live import actions_at, settings_at, with_settings
-from asyncrl.orchestrator import control
+from asyncrl.orchestrator import control, waves
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
 from asyncrl.orchestrator.prompts import next_prompt
 from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
-from asyncrl.orchestrator.rollout import rollout_agent_group, rollout_group
+from asyncrl.orchestrator.rollout import rollout_agent_group, score_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.orchestrator.trainer_link import trainer_link
 from asyncrl.profile import Phases
@@ -65,6 +65,7 @@ class Orchestrator:
         self.failure: Exception | None = None  # first rollout or evaluation error; ends the role
         self.assembled = False  # every batch has been handed to the trainer
         self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
+        self.waves: set[asyncio.Task] = set()  # the requests generating the groups in flight
         self.in_flight_peak = 0  # the most groups generating at once since the last step record
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
@@ -170,11 +171,16 @@ class Orchestrator:
             while self._may_admit(len(wave)) and (started := next_prompt(self)):  # (a bad row ends a wave)
                 wave.append(started)
             self.ledger.dispatch([index for index, _, _ in wave])
+            choices = waves.start(self.router, [(i, p) for i, entry, p in wave if not self._agentic(entry)],
+                                  self.cfg, self.waves)
             for index, entry, prompt in wave:
-                task = asyncio.create_task(self._run_group(index, entry, prompt))
+                task = asyncio.create_task(self._run_group(index, entry, prompt, choices.get(index)))
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
             self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
+
+    def _agentic(self, entry: dict) -> bool:
+        return bool(self.agents and self.agents.agent_for(entry))
 
     def _may_admit(self, pending: int) -> bool:
         """Whether one more group may start, `pending` being admitted already but not yet started."""
@@ -183,20 +189,23 @@ class Orchestrator:
         return room and (bool(self.reissue) or (
             self.gate.admitted < needed and self.gate.can_admit(self.router.version)))
 
-    async def _run_group(self, index: int, entry: dict, prompt: list[int]) -> None:
+    async def _run_group(self, index: int, entry: dict, prompt: list[int], choices: asyncio.Future | None):
         try:
-            await self._generate_group(index, entry, prompt)
+            await self._generate_group(index, entry, prompt, choices)
         finally:  # free the slot before admission hears of it, or it waits for the next event
             self.in_flight.discard(asyncio.current_task())
             await self._notify()
 
-    async def _generate_group(self, index: int, entry: dict, prompt: list[int]) -> None:
-        if self.agents and self.agents.agent_for(entry):
-            generate = lambda client: rollout_agent_group(self.agents, client, entry, index, self.cfg)  # noqa: E731
-        else:
-            generate = lambda client: rollout_group(client, self.verifiers, entry, prompt, index, self.cfg)  # noqa: E731
+    async def _generate_group(self, index: int, entry: dict, prompt: list[int], choices: asyncio.Future | None
+                              ) -> None:
+        """`choices`: the group's samples from its wave (None: an agent's episodes, generated here)."""
+        cfg = self.cfg
         try:
-            group, dropped = await self.router.call(generate, f"prompt {index}", self.cfg.rollout.group_size)
+            if choices is None:
+                generate = lambda client: rollout_agent_group(self.agents, client, entry, index, cfg)  # noqa: E731
+                group, dropped = await self.router.call(generate, f"prompt {index}", cfg.rollout.group_size)
+            else:
+                group, dropped = await score_group(self.verifiers, entry, prompt, index, *await choices, cfg)
         except Exception as e:  # every waiting loop hears of it (_run_group notifies)
             self._fail(e if not isinstance(e, InferenceUnavailable) else RuntimeError(
                 f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}"))
@@ -347,7 +356,7 @@ class Orchestrator:
                 task.result()  # re-raise the first failure
             await follow
         finally:  # nothing may run on against the ledger once it is closed
-            tasks = [beat, follow, *loops, *self.in_flight, *self.evals]
+            tasks = [beat, follow, *loops, *self.waves, *self.in_flight, *self.evals]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 from asyncrl.fatal import ContractError
-from asyncrl.inference.client import InferenceClient
 from asyncrl.rewards.pool import VerifierError, VerifierPool
 from asyncrl.trajectory import Trajectory
 
@@ -23,13 +21,12 @@ def checked(reward) -> tuple[float | None, str | None]:
     return float(reward), None
 
 
-async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry: dict, prompt: list[int],
-                        index: int, cfg) -> tuple[list[Trajectory], list[dict]]:
-    """(scored trajectories, one record per sample that cannot be trained on); advantages are the caller's."""
+async def score_group(verifiers: VerifierPool, entry: dict, prompt: list[int], index: int,
+                      choices: list[dict], seconds: float, cfg) -> tuple[list[Trajectory], list[dict]]:
+    """A group's G choices from the inference server (`seconds` after its request went out), scored by the
+    task's verifier: (trajectories, one record per sample that cannot be trained on); advantages are the
+    caller's."""
     ro = cfg.rollout
-    started = time.monotonic()
-    choices = await client.complete([prompt], ro.group_size, ro.max_tokens, ro.temperature, ro.top_p)
-    generated = time.monotonic()
     scores = iter(map(checked, await verifiers.score_many(
         [(c["text"], entry) for c in choices if c["finish_reason"] != "abort"], cfg.timeouts.verifier)))
     scored, dropped = [], []
@@ -53,7 +50,7 @@ async def rollout_group(client: InferenceClient, verifiers: VerifierPool, entry:
             versions=[-1] * len(prompt) + choice["versions"],
             reward=reward,
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
-                  "answer": entry["answer"], "generate_seconds": generated - started,
+                  "answer": entry["answer"], "generate_seconds": seconds,
                   "temperature": ro.temperature},
         ))
     return scored, dropped
@@ -73,7 +70,7 @@ async def all_or_none(coros) -> list:
 
 async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
                               ) -> tuple[list[Trajectory], list[dict]]:
-    """G agent episodes of one task on one server (`client`), like rollout_group; a failed episode drops
+    """G agent episodes of one task on one server (`client`), like score_group; a failed episode drops
     only itself."""
     outcomes = await all_or_none(agents.episode(entry, f"{index}-{k}", client, priority=index)
                                   for k in range(cfg.rollout.group_size))
