@@ -144,3 +144,21 @@ def test_training_steps_with_shared_prompts_are_the_same_steps(tiny_model, objec
         assert shared[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
     for key in plain_state:  # (Adam's noise on near-zero gradients: see tests/test_ranks.py)
         torch.testing.assert_close(shared_state[key], plain_state[key], rtol=1e-4, atol=3e-5)
+
+
+def test_the_trainers_warm_up_changes_nothing(tiny_model):
+    """The forward and backward before the trainer is ready leave the weights, their gradients and the
+    RNG stream as they were (a restart replays steps bit for bit from a checkpoint's RNG state)."""
+    from asyncrl.trainer.ranks import Ranks
+    from asyncrl.trainer.step import warm_up
+
+    model, tokenizer = load_policy(tiny_model)
+    model.train()
+    before = weights.state_hash(weights.model_state(model))
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    cfg = load_config(overrides=["--rollout.prompts_per_step", "2", "--rollout.group_size", "3"])
+    warm_up(model, cfg, tokenizer.pad_token_id, Ranks())
+    assert weights.state_hash(weights.model_state(model)) == before
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -3,7 +3,7 @@
     POST /v1/completions   token ids in; token ids, per-token logprobs and versions out (with
                            "stream_groups": one JSON line per prompt as soon as its n samples are done)
     GET  /health           200 once the model is loaded
-    GET  /version          {"version": v}; with ?hash=1 also the sha256 of the served weights
+    GET  /version          {"version": v}; with ?hash=1 also the hash of the served weights
     POST /update_weights   {"path": ..., "version": v}: load a safetensors file as version v
     GET  /stats            tokens generated, seconds busy, seconds up, rows running and waiting
     POST /pause, /resume   stop and restart stepping (requests keep queueing)
@@ -185,7 +185,7 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
 
     async def update_weights(request: web.Request) -> web.Response:
         """{"path": full safetensors, "version": v, optional "patch" + "base_version" (a sparse
-        patch onto the version held now), "hash" (sha256 the result must have), "policy"}."""
+        patch onto the version held now), "hash" (weights.state_hash of the result), "policy"}."""
         body = await request.json()
         path, version, policy = body.get("path"), body.get("version"), body.get("policy")
         # (a replica staged by Ray may hold only the patch: the full file is sent if the patch misses)

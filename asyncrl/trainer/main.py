@@ -31,7 +31,7 @@ from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
 from asyncrl.profile import Phases
 from asyncrl.trainer.ranks import Ranks, join_group
-from asyncrl.trainer.step import train_step
+from asyncrl.trainer.step import train_step, warm_up
 from asyncrl.trajectory import batch_path, read_batch, read_header
 
 log = logging.getLogger("asyncrl.trainer")
@@ -201,6 +201,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
 
         sender = Sender(cfg, run_dir)
         sender.publish(setup.first_step, state)
+    warm_up(model, cfg, setup.tokenizer.pad_token_id, ranks)
     keep = 0  # weight versions kept on disk (finish_version)
     phases, started = Phases(), time.monotonic()  # running totals from here on, reported with every version
     heartbeat = Heartbeat(run_dir, "trainer") if leader else None  # from here on a silent trainer is stuck
