@@ -8,11 +8,14 @@ one per routed replica at least (the router sends each to the least loaded) and 
 batch of groups (and an engine batch) each. A replica that goes away mid-stream: the router asks
 another for the groups not yet delivered.
 
-A wave larger than a batch (the start of a run at η > 0: η + 1 batches at once) is staggered: a part
-beyond the first on each replica goes out when the part before it on that replica has delivered its
-first group. The oldest batch then has the engine to itself for its first steps instead of sharing
-every decode step with the four behind it: at η = 4 its groups came 0.04 s after the request instead
-of 0.15-0.4 s, and the trainer starts that much sooner; the engine is full again a few steps later.
+A wave larger than a batch (the start of a run at η > 0: η + 1 batches at once) goes out a batch at a
+time per replica: a part beyond the first on each replica is sent when the part before it there has
+delivered all its groups. The oldest batch then has the engine to itself instead of sharing every
+step with the four behind it, and the trainer starts sooner (η = 4, 30 uniform steps, three runs each:
+the first batch written at 0.07-0.09 s instead of 0.18-0.41 s, version 10 at 1.48-1.57 s instead of
+1.59-1.80 s; sending each part when the one before had delivered only its first group gave 0.20-0.24 s,
+the joins slowing the first batch's last groups). Long-tailed answers lose nothing by it: 24 steps at
+η = 4 in 6.8-7.7 s against 8.1-8.5 s.
 """
 from __future__ import annotations
 
@@ -29,14 +32,13 @@ def start(router, wave: list[tuple[int, list[int]]], cfg, running: set) -> dict[
     futures = {index: asyncio.get_running_loop().create_future() for index, _ in wave}
     replicas = max(len(router.routed()), 1)
     most = min(cfg.inference.max_batch_sequences // cfg.rollout.group_size, cfg.rollout.prompts_per_step)
-    begun: list[asyncio.Event] = []  # per part: it has delivered a group (or ended)
+    sent: list[asyncio.Task] = []
     for j, part in enumerate(parts(wave, replicas, most)):
-        begun.append(asyncio.Event())
-        after = begun[j - replicas] if j >= replicas else None
-        task = asyncio.create_task(
-            generate(router, dict(part), {i: futures[i] for i, _ in part}, cfg, after, begun[j]))
-        running.add(task)
-        task.add_done_callback(running.discard)
+        after = sent[j - replicas] if j >= replicas else None
+        mine = {i: futures[i] for i, _ in part}
+        sent.append(asyncio.create_task(generate(router, dict(part), mine, cfg, after)))
+        running.add(sent[-1])
+        sent[-1].add_done_callback(running.discard)
     return futures
 
 
@@ -47,21 +49,12 @@ def parts(wave: list, replicas: int, most: int) -> list[list]:
 
 
 async def generate(router, prompts: dict[int, list[int]], delivered: dict[int, asyncio.Future], cfg,
-                   after: asyncio.Event | None = None, begun: asyncio.Event | None = None) -> None:
-    """G samples of each prompt (by index) in one streamed request, sent once `after` is set; delivered[index]
-    gets the group's (choices, seconds since the request) when it arrives, or the error that ended the
-    wave; `begun` is set at the first group delivered (or the end)."""
-    try:
-        if after is not None:
-            await after.wait()
-        await _generate(router, prompts, delivered, cfg, begun or asyncio.Event())
-    finally:
-        if begun is not None:
-            begun.set()
-
-
-async def _generate(router, prompts: dict[int, list[int]], delivered: dict[int, asyncio.Future], cfg,
-                    begun: asyncio.Event) -> None:
+                   after: asyncio.Task | None = None) -> None:
+    """G samples of each prompt (by index) in one streamed request, sent once `after` (the part before
+    it) has ended; delivered[index] gets the group's (choices, seconds since the request) when it
+    arrives, or the error that ended the wave."""
+    if after is not None:
+        await asyncio.wait([after])  # (its failure is its own groups')
     ro, started = cfg.rollout, time.monotonic()
 
     async def work(client) -> None:
@@ -73,7 +66,6 @@ async def _generate(router, prompts: dict[int, list[int]], delivered: dict[int, 
                                      f"with {len(choices)} choices (asked for {ro.group_size})")
             if not delivered[asked[k]].done():
                 delivered[asked[k]].set_result((choices, time.monotonic() - started))
-            begun.set()
 
         await client.complete_groups([prompts[i] for i in asked], ro.group_size, ro.max_tokens,
                                      ro.temperature, ro.top_p, arrived)
