@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.rundir import RunDir
 
 
 def _take(args: list[str], flag: str, has_value: bool) -> str | bool | None:
@@ -71,20 +71,20 @@ def _main(argv: list[str] | None) -> int:
     command, rest = args[0], args[1:]
     try:
         if command == "report":
-            from asyncrl.report import table, write_report
+            from asyncrl.observe.report import table, write_report
 
             if len(rest) != 1:
                 raise ConfigError("usage: asyncrl report RUN_DIR")
-            if not (Path(rest[0]) / "metrics.jsonl").exists():
+            if not (RunDir(rest[0]).metrics).exists():
                 raise ConfigError(f"{rest[0]} is not a run directory with metrics (no metrics.jsonl)")
             print(table(write_report(rest[0])))
             return 0
         if command == "ctl":
-            from asyncrl import ctl
+            from asyncrl.control import ctl
 
             return ctl.main(rest)
         if command == "export":
-            from asyncrl.checkpoint import export
+            from asyncrl.store.checkpoint import export
 
             step = _take(rest, "--step", True)
             if len(rest) != 2:
@@ -100,7 +100,7 @@ def _main(argv: list[str] | None) -> int:
         resume_dir = _take(rest, "--resume", True) if command == "train" else None
         force = bool(_take(rest, "--force", False))
         config_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
-        from asyncrl.launcher import RunError, Stopped, resume, train
+        from asyncrl.run.launcher import RunError, Stopped, resume, train
 
         try:
             if resume_dir is not None:
@@ -108,7 +108,7 @@ def _main(argv: list[str] | None) -> int:
                 return 0
             cfg = load_config(config_path, rest)
             if command == "warmstart":
-                from asyncrl.warmstart import warmstart
+                from asyncrl.policy.warmstart import warmstart
 
                 warmstart(cfg)
                 return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 
 from asyncrl.files import atomic_path
+from asyncrl.rundir import RunDir
 
 
 @dataclass
@@ -42,16 +43,12 @@ class Trajectory:
         return trained_version - self.oldest_version
 
 
-def batch_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "batches" / f"step_{step:06d}.jsonl"
-
-
 def write_batch(run_dir: str | Path, step: int, trajectories: list[Trajectory], settings: dict | None = None,
                 actions: list[str] = ()) -> Path:
     """Atomically: the trainer never sees a half-written batch. `settings`: the live settings in force
-    at this step, `actions`: what the trainer is asked to do after it (asyncrl/live.py); a first line
+    at this step, `actions`: what the trainer is asked to do after it (asyncrl/control/live.py); a first line
     of their own, written only when there are any."""
-    path = batch_path(run_dir, step)
+    path = RunDir(run_dir).batch(step)
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         if settings or actions:
             f.write(orjson.dumps({"settings": settings or {}, "actions": list(actions)}).decode() + "\n")

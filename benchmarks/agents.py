@@ -55,8 +55,8 @@ async def measure(cfg, url: str, mode: str, episodes: int) -> dict:
     from transformers import AutoTokenizer
 
     from asyncrl.agents.runner import AgentRunner
-    from asyncrl.events import EventLog
     from asyncrl.inference.client import InferenceClient
+    from asyncrl.observe.events import EventLog
 
     cfg.agent.scheduling = mode
     async with InferenceClient(url, 120) as client:
@@ -116,9 +116,9 @@ def main() -> None:
     import torch
 
     from asyncrl.config import load_config
-    from asyncrl.launcher import prepare_run_dir
-    from asyncrl.preflight import check_inputs
-    from asyncrl.supervisor import start_role, stop, wait_for_replica
+    from asyncrl.run.launcher import prepare_run_dir
+    from asyncrl.run.preflight import check_inputs
+    from asyncrl.run.processes import start_role, stop, wait_for_replica
 
     torch.set_num_threads(1)
     cfg = load_config(overrides={

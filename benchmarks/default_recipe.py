@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.launcher import train
-from asyncrl.report import read_metrics
-from asyncrl.warmstart import warmstart
+from asyncrl.observe.report import read_metrics
+from asyncrl.policy.warmstart import warmstart
+from asyncrl.run.launcher import train
 
 RESULTS = Path(__file__).parent / "results"
 

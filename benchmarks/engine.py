@@ -31,9 +31,9 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
-from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
-from asyncrl.ports import free_port
+from asyncrl.policy.model import build_char_tokenizer, build_tiny_model, load_policy
 from asyncrl.rewards.tasks import TaskSource
+from asyncrl.run.ports import free_port
 
 OUT = Path(__file__).parent / "results"
 WORKLOADS = {"uniform": [64] * 64, "long_tailed": [16] * 56 + [128] * 8}

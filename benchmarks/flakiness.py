@@ -38,7 +38,7 @@ def build_models(workdir: Path) -> dict[str, str]:
     """The session fixtures' policies, built once in a process of their own."""
     code = (
         "import sys; sys.path.insert(0, 'tests'); import conftest; from asyncrl.config import load_config; "
-        "from asyncrl.warmstart import warmstart; "
+        "from asyncrl.policy.warmstart import warmstart; "
         f"warmstart(load_config(), '{workdir}/tiny', log=lambda *a, **k: None); "
         "cfg = load_config(overrides={'warmstart': {'demos': 'examples/agents/calculator.py:demos', "
         "'steps': 300, "

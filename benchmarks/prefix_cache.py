@@ -29,8 +29,8 @@ async def episodes(cfg, url: str, count: int) -> dict:
 
     from asyncrl.agents.proxy import start_proxy
     from asyncrl.agents.runner import AgentRunner
-    from asyncrl.events import EventLog
     from asyncrl.inference.client import InferenceClient
+    from asyncrl.observe.events import EventLog
     from asyncrl.rewards.pool import VerifierPool
     from asyncrl.rewards.tasks import eval_entries, load_tasks
 
@@ -60,8 +60,8 @@ async def episodes(cfg, url: str, count: int) -> dict:
 
 def measure(example: str, model_dir: Path, budget: int, count: int) -> dict:
     from asyncrl.config import load_config
-    from asyncrl.launcher import prepare_run_dir
-    from asyncrl.supervisor import start_role, stop, wait_for_replica
+    from asyncrl.run.launcher import prepare_run_dir
+    from asyncrl.run.processes import start_role, stop, wait_for_replica
 
     model = model_dir / Path(load_config(ROOT / example).model.path).name
     cfg = load_config(ROOT / example, overrides={

@@ -26,14 +26,15 @@ import torch.multiprocessing as mp
 from scale import model_20m  # (benchmarks/scale.py: the same ~20M policy)
 from tables import write_rows  # (benchmarks/tables.py)
 
-from asyncrl import checkpoint, weights
 from asyncrl.config import load_config
-from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
-from asyncrl.ports import free_port
+from asyncrl.policy.model import load_policy
+from asyncrl.run.ports import free_port
+from asyncrl.store import checkpoint
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
+from asyncrl.transports import weights
 
 
 def batch(vocab: int, rows: int, seed: int) -> list[Trajectory]:

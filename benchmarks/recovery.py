@@ -6,7 +6,7 @@ For each model (the tiny default, ~1M params, and a ~20M-param Llama of the same
    host memory) next to the seconds a synchronous checkpoint would (the whole write, fsync and
    rename), median of 5, with the model's Adam state in place.
 2. Mean time to recovery per role: asynchronous runs (max_staleness 1) in which each role is
-   SIGKILLed twice at random moments (asyncrl/chaos.py), once with cold restarts (a new Python
+   SIGKILLed twice at random moments (asyncrl/run/chaos.py), once with cold restarts (a new Python
    process) and once with the warm spare (run.warm_spare = always: a process that imported
    everything beforehand). For every kill: when the supervisor noticed, when the role was back (trainer: in
    its training loop again; inference: serving the run's version again; orchestrator: state
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import checkpoint
-from asyncrl.chaos import Chaos
-from asyncrl.events import read_events
-from asyncrl.ledger import Ledger, audit
-from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
-from asyncrl.report import read_metrics
+from asyncrl.observe.events import read_events
+from asyncrl.observe.report import read_metrics
+from asyncrl.policy.model import build_char_tokenizer, build_tiny_model, load_policy
+from asyncrl.run.chaos import Chaos
+from asyncrl.store import checkpoint
+from asyncrl.store.ledger import Ledger, audit
 
 OUT = Path(__file__).parent / "results"
 ROLES = ("trainer", "inference-0", "orchestrator")

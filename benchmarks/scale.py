@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from asyncrl import weights
 from asyncrl.config import load_config
-from asyncrl.launcher import train
-from asyncrl.model import build_char_tokenizer, build_tiny_model, load_policy
+from asyncrl.policy.model import build_char_tokenizer, build_tiny_model, load_policy
+from asyncrl.run.launcher import train
+from asyncrl.transports import weights
 
 OUT = Path(__file__).parent / "results"
 
@@ -100,12 +100,12 @@ def sparsity(path: str, lrs: list[float]) -> list[dict]:
 
 def transfer(paths: list[str], repeats: int = 3) -> list[dict]:
     """A version's file through the object store into a RoleHost on this machine, as the orchestrator
-    stages it (asyncrl/orchestrator/staging.py)."""
+    stages it (asyncrl/transports/staging.py)."""
     import hashlib
 
     import ray
 
-    from asyncrl.ray_host import RoleHost
+    from asyncrl.cluster.ray_host import RoleHost
 
     ray.init(num_cpus=4, object_store_memory=512 * 2**20, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")

@@ -18,8 +18,8 @@ import torch
 from tables import write_rows  # (benchmarks/tables.py)
 
 from asyncrl.config import load_config
-from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
+from asyncrl.policy.model import load_policy
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
 

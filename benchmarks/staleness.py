@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.launcher import train
-from asyncrl.report import read_metrics
+from asyncrl.observe.report import read_metrics
+from asyncrl.run.launcher import train
 
 OUT = Path(__file__).parent / "results"
 

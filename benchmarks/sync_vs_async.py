@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.launcher import train
-from asyncrl.report import read_metrics
+from asyncrl.observe.report import read_metrics
+from asyncrl.run.launcher import train
 
 OUT = Path(__file__).parent / "results"
 

@@ -117,7 +117,7 @@ def main(out_dir: str, config_json: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.config import Config
-    from asyncrl.model import load_policy
+    from asyncrl.policy.model import load_policy
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ def workload_config(name: str, seed: int, steps: int, every: int, extra: list[st
 
 def ensure_model(name: str) -> None:
     """Warm-start the workload's tiny model once (supervised, on the task's own prompt -> answer pairs)."""
-    from asyncrl.warmstart import warmstart
+    from asyncrl.policy.warmstart import warmstart
 
     path = ROOT / WORKLOADS[name]["model"]
     if "base" in WORKLOADS[name]:
@@ -120,8 +120,8 @@ def run_trl(cfg, out: Path, every: int) -> dict:
 
 
 def run_asyncrl(cfg) -> dict:
-    from asyncrl.launcher import train
-    from asyncrl.report import profile, read_metrics
+    from asyncrl.observe.report import profile, read_metrics
+    from asyncrl.run.launcher import train
 
     began = time.monotonic()
     run_dir = train(cfg, log=lambda *a, **k: None)
@@ -141,9 +141,9 @@ def score_snapshots(cfg, points: list, eval_size: int) -> list[tuple[float, int,
     """(seconds, step, greedy accuracy) per snapshot, the initial model at 0 s first."""
     import torch
 
-    from asyncrl.model import load_policy
+    from asyncrl.policy.model import load_policy
+    from asyncrl.policy.warmstart import greedy_accuracy
     from asyncrl.rewards.tasks import load_tasks
-    from asyncrl.warmstart import greedy_accuracy
 
     torch.set_num_threads(os.cpu_count() or 1)
     tasks = load_tasks(cfg.task, held_out=True)
@@ -221,7 +221,7 @@ def table(name: str, s: dict) -> str:
 def profiles(name: str, runs: dict[str, list[dict]]) -> str:
     """Where each system's time went (its first seed), by role and phase, largest first: the next
     bottleneck of each."""
-    from asyncrl.report import largest_first
+    from asyncrl.observe.report import largest_first
 
     lines = [f"**{name}**: where the time went (seconds, first seed)\n", "| system | role | phases |",
              "|---|---|---|"]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from asyncrl.agents import Environment, Step, tool
-from asyncrl.imports import import_object
+from asyncrl.plugins import import_object
 
 HELPERS = str(Path(__file__))
 
@@ -137,8 +137,8 @@ async def agent_runner(server, agent: str, **overrides):
 
     from asyncrl.agents.proxy import start_proxy
     from asyncrl.agents.runner import AgentRunner
-    from asyncrl.events import EventLog
     from asyncrl.inference.client import InferenceClient
+    from asyncrl.observe.events import EventLog
     from asyncrl.rewards.pool import VerifierPool
 
     url, run_dir, model = server

@@ -22,7 +22,7 @@ def tiny_model(tmp_path_factory) -> str:
     given = os.environ.get("ASYNCRL_TEST_MODEL")
     if given:
         return given
-    from asyncrl.warmstart import warmstart
+    from asyncrl.policy.warmstart import warmstart
 
     out = tmp_path_factory.mktemp("model") / "tiny"
     warmstart(load_config(), out, log=lambda *a, **k: None)
@@ -36,7 +36,7 @@ def calc_model(tmp_path_factory) -> str:
     given = os.environ.get("ASYNCRL_TEST_CALC_MODEL")
     if given:
         return given
-    from asyncrl.warmstart import warmstart
+    from asyncrl.policy.warmstart import warmstart
 
     out = tmp_path_factory.mktemp("model") / "calc"
     cfg = load_config(
@@ -59,8 +59,8 @@ def calc_model(tmp_path_factory) -> str:
 @contextlib.contextmanager
 def inference_server(tmp_path: Path, model: str):
     """A real inference server process for `model`: yields (url, run_dir)."""
-    from asyncrl.launcher import prepare_run_dir
-    from asyncrl.supervisor import start_role, stop, wait_for_replica
+    from asyncrl.run.launcher import prepare_run_dir
+    from asyncrl.run.processes import start_role, stop, wait_for_replica
 
     run_dir = prepare_run_dir(job_config(tmp_path, model))
     proc = start_role("inference-0", run_dir, threads=1)

@@ -11,8 +11,9 @@ from conftest import inference_server, job_config
 
 from asyncrl.agents.chat import Renderer, conversation_segments, normalize
 from asyncrl.agents.runner import EpisodeQueue
-from asyncrl.events import read_events
+from asyncrl.observe.events import read_events
 from asyncrl.orchestrator.rollout import rollout_agent_group
+from asyncrl.rundir import RunDir
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +273,9 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path, record):
 
     Measured (two sets of 10 runs, two at a time): 20 ± 2.2 calculator tool calls (min 17), then
     17.8 ± 3.2 (min 13), against a bound of 0: at least 5.5 standard deviations."""
-    from asyncrl.launcher import train
-    from asyncrl.ledger import audit
-    from asyncrl.trajectory import batch_path, read_batch
+    from asyncrl.run.launcher import train
+    from asyncrl.store.ledger import audit
+    from asyncrl.trajectory import read_batch
 
     mix = [{"name": "products", "label": "calc", "params": {"min_terms": 2, "max_terms": 2, "min_digits": 2,
                                                               "max_digits": 3},
@@ -288,7 +289,7 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path, record):
     cfg.task.mix = mix
     run_dir = train(cfg, log=lambda *a, **k: None)
     assert audit(run_dir, cfg.rollout.max_staleness)["problems"] == []
-    trajs = [t for step in range(cfg.run.steps) for t in read_batch(batch_path(run_dir, step))]
+    trajs = [t for step in range(cfg.run.steps) for t in read_batch(RunDir(run_dir).batch(step))]
     assert {t.task for t in trajs} == {"calc", "guess"}
     for t in trajs:  # the record's invariants hold in what the trainer read
         assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions) <= 80
@@ -298,7 +299,7 @@ def test_multi_task_agent_run_end_to_end(calc_model, tmp_path, record):
     assert calls > 0
     assert max(t.info["turns"] for t in trajs if t.task == "guess") > 1
     for step in range(cfg.run.steps):  # per task and batch, token advantages have mean 0
-        batch = read_batch(batch_path(run_dir, step))
+        batch = read_batch(RunDir(run_dir).batch(step))
         for task in {t.task for t in batch}:
             values = [a for t in batch if t.task == task for a, m in zip(t.advantages, t.loss_mask) if m]
             assert abs(sum(values) / len(values)) < 1e-4

@@ -9,13 +9,14 @@ import torch
 from test_ranks import CASES, jobs_of_steps, on_two_ranks, steps
 from transformers import AutoModelForCausalLM
 
-from asyncrl import checkpoint, weights
 from asyncrl.inference.engine import Engine, SamplingParams
-from asyncrl.model import build_bpe_tokenizer, build_tiny_model, chatml_corpus, load_policy
+from asyncrl.policy.model import build_bpe_tokenizer, build_tiny_model, chatml_corpus, load_policy
+from asyncrl.store import checkpoint
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
+from asyncrl.transports import weights
 
 ARCHITECTURES = {  # name: (architecture, heads, kv_heads, tied)
     "qwen3-gqa-tied": ("qwen3", 4, 2, True),

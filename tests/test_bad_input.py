@@ -10,10 +10,10 @@ import time
 import pytest
 from conftest import job_config
 
-from asyncrl.events import read_events
-from asyncrl.launcher import RunError, prepare_run_dir, train
+from asyncrl.observe.events import read_events
 from asyncrl.rewards.tasks import load_tasks
-from asyncrl.weights import read_marker
+from asyncrl.run.launcher import RunError, prepare_run_dir, train
+from asyncrl.transports.weights import read_marker
 
 
 def cli(*args, timeout=120):

@@ -2,8 +2,10 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl import checkpoint, weights
-from asyncrl.model import load_policy
+from asyncrl.policy.model import load_policy
+from asyncrl.rundir import RunDir
+from asyncrl.store import checkpoint
+from asyncrl.transports import weights
 
 
 def trained(tiny_model):
@@ -46,7 +48,7 @@ def test_corrupt_or_partial_checkpoints_fall_back_to_an_earlier_one(tiny_model, 
     for step in (1, 2, 3):
         writer.save(step, *checkpoint.parts(model, optimizer, scheduler))
     writer.wait()
-    root = checkpoint.checkpoints_dir(tmp_path)
+    root = RunDir(tmp_path).checkpoints
     blob = root / "step_000003" / "model.safetensors"
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
@@ -63,7 +65,7 @@ def test_keep_last_n(tiny_model, tmp_path):
     for step in range(1, 6):
         writer.save(step, *checkpoint.parts(model, optimizer, scheduler))
     writer.wait()
-    assert checkpoint.valid_steps(checkpoint.checkpoints_dir(tmp_path)) == [4, 5]
+    assert checkpoint.valid_steps(RunDir(tmp_path).checkpoints) == [4, 5]
 
 
 def test_export_is_a_plain_hf_model_directory(tiny_model, tmp_path):

@@ -117,7 +117,7 @@ def test_rules_across_sections():
 
 def test_the_warm_start_recipe_ignores_the_rl_run_seeds():
     """Reseeding an RL run must reuse the default policy; changing what it learned from rebuilds it."""
-    from asyncrl.warmstart import recipe
+    from asyncrl.policy.warmstart import recipe
 
     base = recipe(load_config())
     assert recipe(load_config(overrides=["--task.seed", "1001", "--run.seed", "3"])) == base
@@ -143,7 +143,7 @@ def test_a_text_setting_keeps_what_was_typed(text):
 
 
 def test_overwrite_deletes_only_an_asyncrl_run(tmp_path):
-    from asyncrl.launcher import prepare_run_dir
+    from asyncrl.run.launcher import prepare_run_dir
 
     precious = tmp_path / "runs" / "thesis"
     precious.mkdir(parents=True)
@@ -165,8 +165,8 @@ def test_a_live_run_refuses_a_second_launcher_and_a_dead_launchers_lock_is_taken
     import subprocess
     import sys
 
-    from asyncrl.launcher import prepare_run_dir, resume, train
-    from asyncrl.run_lock import run_lock
+    from asyncrl.run.launcher import prepare_run_dir, resume, train
+    from asyncrl.run.lock import run_lock
 
     cfg = load_config(overrides=["--run.root", str(tmp_path / "runs"), "--run.name", "live",
                                  "--run.overwrite", "true"])
@@ -177,7 +177,7 @@ def test_a_live_run_refuses_a_second_launcher_and_a_dead_launchers_lock_is_taken
                 second()
         assert (cfg.run_dir / "config.json").exists()  # the overwrite did not delete the live run
     # a launcher SIGKILLed while it held the lock: the kernel released it, the next one takes it
-    code = ("import os, signal; from asyncrl.run_lock import run_lock\n"
+    code = ("import os, signal; from asyncrl.run.lock import run_lock\n"
             f"with run_lock({str(cfg.run_dir)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     with run_lock(cfg.run_dir) as path:

@@ -13,16 +13,16 @@ import pytest
 from conftest import job_args, job_config
 from test_recovery import RUN, assert_nothing_lost
 
-from asyncrl import ctl
-from asyncrl.chaos import pid_of, steps_recorded
 from asyncrl.config import ConfigError, load_config, read_run_config
-from asyncrl.events import read_events
+from asyncrl.control import ctl
+from asyncrl.control.live import LIVE_KEYS, actions_at, check_change, settings_at, with_settings
 from asyncrl.files import poll
-from asyncrl.ledger import Ledger, audit
-from asyncrl.live import LIVE_KEYS, actions_at, check_change, settings_at, with_settings
-from asyncrl.orchestrator.control import control_file
+from asyncrl.observe.events import read_events
+from asyncrl.run.chaos import pid_of, steps_recorded
+from asyncrl.rundir import RunDir
+from asyncrl.store.ledger import Ledger, audit
 from asyncrl.trainer.main import lr_schedule
-from asyncrl.trajectory import Trajectory, batch_path, read_batch, read_header, write_batch
+from asyncrl.trajectory import Trajectory, read_batch, read_header, write_batch
 
 
 def test_a_change_is_checked_against_the_live_keys_and_the_config_rules():
@@ -70,10 +70,10 @@ def test_changes_are_pending_until_scheduled_and_batches_carry_theirs(tmp_path):
                         logprobs=[0.0, -0.5], versions=[-1, 4])
     write_batch(tmp_path, 5, [sample], {"trainer.lr": 1e-5}, ["checkpoint"])
     write_batch(tmp_path, 4, [sample])
-    header = read_header(batch_path(tmp_path, 5))
+    header = read_header(RunDir(tmp_path).batch(5))
     assert header == {"settings": {"trainer.lr": 1e-5}, "actions": ["checkpoint"]}
-    assert read_header(batch_path(tmp_path, 4)) == {"settings": {}, "actions": []}
-    assert [t.id for t in read_batch(batch_path(tmp_path, 5))] == ["0-0"]
+    assert read_header(RunDir(tmp_path).batch(4)) == {"settings": {}, "actions": []}
+    assert [t.id for t in read_batch(RunDir(tmp_path).batch(5))] == ["0-0"]
 
 
 def _status(run_dir) -> dict:
@@ -86,7 +86,8 @@ def start_run(tmp_path, model, **overrides) -> tuple[subprocess.Popen, object]:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "runs" / "job"
     try:
-        poll(lambda: control_file(run_dir).exists() and steps_recorded(run_dir) >= 2, 300, "the run to start")
+        poll(lambda: RunDir(run_dir).control.exists() and steps_recorded(run_dir) >= 2, 300,
+             "the run to start")
     except BaseException:
         proc.kill()
         raise
@@ -101,7 +102,7 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
     cfg = job_config(tmp_path, tiny_model, **RUN)
     proc, run_dir = start_run(tmp_path, tiny_model)
     try:
-        url = json.loads(control_file(run_dir).read_text())["url"]
+        url = json.loads(RunDir(run_dir).control.read_text())["url"]
         with pytest.raises(urllib.error.HTTPError) as refused:  # no token, no answer
             urllib.request.urlopen(url + "/status", timeout=10)
         assert refused.value.code == 401
@@ -144,7 +145,7 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
     for step in range(cfg.run.steps):
         expected = {**({"trainer.lr": 3e-5} if step >= lr_at else {}),
                     **({"rollout.max_staleness": 2} if step >= eta_at else {})}
-        assert read_header(batch_path(run_dir, step))["settings"] == expected
+        assert read_header(RunDir(run_dir).batch(step))["settings"] == expected
     assert_nothing_lost(run_dir)  # (the audit holds each step to the η in force at it)
     assert " INFO trainer: done, 28 steps" in (run_dir / "logs" / "trainer.log").read_text()  # (level info)
 
@@ -172,7 +173,7 @@ def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp
     assert lengthen["step"] <= cooler["step"] <= checkpoint["step"] < 28
     for step in range(stop["value"]):  # each batch drawn at the temperature its step trains with
         expected = 0.7 if step >= cooler["step"] else 1.0
-        assert {t.info["temperature"] for t in read_batch(batch_path(run_dir, step))} == {expected}, step
+        assert {t.info["temperature"] for t in read_batch(RunDir(run_dir).batch(step))} == {expected}, step
     end = stop["value"]
     assert (stopped["key"], stopped["value"], stopped["step"]) == ("run.steps", end, end - 1)
     assert 30 < end < 40
@@ -195,8 +196,8 @@ def test_the_report_marks_each_change_where_it_took_effect(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from asyncrl.ledger import read_changes
-    from asyncrl.report import mark_changes
+    from asyncrl.observe.report import mark_changes
+    from asyncrl.store.ledger import read_changes
 
     assert read_changes(tmp_path) == []  # no ledger: no changes
     ledger = Ledger(tmp_path)

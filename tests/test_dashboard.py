@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 from test_control import start_run
 
-from asyncrl.access import read_token
-from asyncrl.ledger import Ledger, audit
-from asyncrl.orchestrator.control import control_file
+from asyncrl.control.access import read_token
+from asyncrl.rundir import RunDir
+from asyncrl.store.ledger import Ledger, audit
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
@@ -41,7 +41,7 @@ def test_the_dashboard_draws_live_data_and_steers_the_run(tiny_model, tmp_path):
     proc, run_dir = start_run(tmp_path, tiny_model, **{"run.steps": 400})  # long enough to stop from the page
     driver = None
     try:
-        url = json.loads(control_file(run_dir).read_text())["url"]
+        url = json.loads(RunDir(run_dir).control.read_text())["url"]
         with pytest.raises(urllib.error.HTTPError) as refused:  # the page needs the token too
             urllib.request.urlopen(url + "/", timeout=10)
         assert refused.value.code == 401

@@ -4,9 +4,10 @@ import json
 import pytest
 from conftest import job_config
 
-from asyncrl.launcher import train
-from asyncrl.trajectory import batch_path, read_batch
-from asyncrl.weights import read_marker
+from asyncrl.run.launcher import train
+from asyncrl.rundir import RunDir
+from asyncrl.trajectory import read_batch
+from asyncrl.transports.weights import read_marker
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +18,7 @@ def test_staleness_bound_holds_for_every_trained_sample(tiny_model, tmp_path, et
     run_dir = train(cfg, log=lambda *a, **k: None)
     seen = []
     for step in range(cfg.run.steps):
-        trajs = read_batch(batch_path(run_dir, step))  # exactly what the trainer consumed
+        trajs = read_batch(RunDir(run_dir).batch(step))  # exactly what the trainer consumed
         assert len(trajs) == cfg.rollout.prompts_per_step * cfg.rollout.group_size
         seen += [t.staleness(step) for t in trajs]
         assert read_marker(run_dir, step + 1)["train_tokens"] == sum(sum(t.loss_mask) for t in trajs)

@@ -2,7 +2,7 @@
 import torch
 
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence, sample_rows
-from asyncrl.model import build_char_tokenizer, build_tiny_model
+from asyncrl.policy.model import build_char_tokenizer, build_tiny_model
 
 TOK = build_char_tokenizer()
 

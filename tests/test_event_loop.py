@@ -1,9 +1,9 @@
-"""The roles' event loop (asyncrl/event_loop.py): uvloop where installed; results and errors pass through."""
+"""The roles' event loop (run/event_loop.py): uvloop where installed; results and errors pass through."""
 import asyncio
 
 import pytest
 
-from asyncrl import event_loop
+from asyncrl.run import event_loop
 
 
 async def _loop_module() -> str:

@@ -1,7 +1,7 @@
 """The sample ledger: states, commits, what a restart rebuilds, and the audit that catches violations."""
 import sqlite3
 
-from asyncrl.ledger import Ledger, audit
+from asyncrl.store.ledger import Ledger, audit
 from asyncrl.trajectory import Trajectory, write_batch
 
 
@@ -86,7 +86,7 @@ def test_metrics_are_a_projection_of_the_ledger(tmp_path):
 
 
 def test_an_event_that_keeps_happening_is_counted_not_repeated(tmp_path):
-    from asyncrl.events import REPEATS, EventLog, read_events
+    from asyncrl.observe.events import REPEATS, EventLog, read_events
 
     log = EventLog(tmp_path, "orchestrator")
     for i in range(100_000):

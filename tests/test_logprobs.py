@@ -4,13 +4,13 @@ all positions at once, whatever the chunk size, with and without the entropy's g
 import pytest
 import torch
 
-from asyncrl import weights
 from asyncrl.config import load_config
-from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
+from asyncrl.policy.model import load_policy
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.step import collate, train_step
 from asyncrl.trajectory import Trajectory
+from asyncrl.transports import weights
 
 
 def batch_of(vocab: int) -> dict:

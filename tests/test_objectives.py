@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
+from asyncrl.config.sections import ObjectiveConfig
 from asyncrl.objectives import REGISTRY, get_objective
 from asyncrl.objectives.common import LossInputs
 from asyncrl.objectives.m2po import second_moment_keep
-from asyncrl.sections import ObjectiveConfig
 from asyncrl.trainer.step import aggregation_weights, collate, kl_penalty, loglinear_prox
 from asyncrl.trajectory import Trajectory
 

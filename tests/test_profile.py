@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from asyncrl.model import build_char_tokenizer, build_tiny_model
-from asyncrl.report import profile, profile_summary
+from asyncrl.config.sections import TaskConfig
+from asyncrl.observe.report import profile, profile_summary
+from asyncrl.policy.model import build_char_tokenizer, build_tiny_model
 from asyncrl.rewards.pool import VerifierError, VerifierPool
-from asyncrl.sections import TaskConfig
-from asyncrl.threads import ALTERNATE, choose
+from asyncrl.run.threads import ALTERNATE, choose
 from asyncrl.trainer.logprobs import CALL_COST_TOKENS, length_buckets, token_logprobs
 from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
@@ -121,7 +121,7 @@ def test_verifier_workers_do_not_import_the_orchestrator_again():
     """multiprocessing's fork server prepares each worker it forks by importing the parent's main module
     again, unless that is a package's __main__: the orchestrator role runs as one, so that its verifier
     workers start without its imports (they held the first batch's scores back by seconds)."""
-    from asyncrl.supervisor import MODULES
+    from asyncrl.run.processes import MODULES
 
     def imported_by_a_worker(main_module: str) -> list[str]:
         code = ("import sys, multiprocessing.spawn as spawn; "

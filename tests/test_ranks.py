@@ -19,17 +19,18 @@ from conftest import job_args
 from test_recovery import assert_nothing_lost
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from asyncrl import checkpoint, weights
-from asyncrl.chaos import steps_recorded
 from asyncrl.config import load_config
-from asyncrl.events import read_events
-from asyncrl.launcher import resume
-from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
-from asyncrl.ports import free_port
+from asyncrl.observe.events import read_events
+from asyncrl.policy.model import load_policy
+from asyncrl.run.chaos import steps_recorded
+from asyncrl.run.launcher import resume
+from asyncrl.run.ports import free_port
+from asyncrl.store import checkpoint
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trainer.step import train_step
 from asyncrl.trajectory import Trajectory
+from asyncrl.transports import weights
 
 CASES = [("ppo_clip", "token_mean", 1), ("m2po", "seq_mean", 2), ("vcpo", "token_mean", 2),
          ("decoupled_ppo", "seq_mean", 1)]

@@ -8,12 +8,13 @@ import time
 import pytest
 from conftest import job_args, job_config
 
-from asyncrl.chaos import Chaos, steps_recorded
-from asyncrl.checkpoint import checkpoints_dir, latest, valid_steps
 from asyncrl.config import ConfigError, read_run_config
-from asyncrl.events import read_events
-from asyncrl.launcher import RunError, resume, train
-from asyncrl.ledger import audit
+from asyncrl.observe.events import read_events
+from asyncrl.run.chaos import Chaos, steps_recorded
+from asyncrl.run.launcher import RunError, resume, train
+from asyncrl.rundir import RunDir
+from asyncrl.store.checkpoint import latest, valid_steps
+from asyncrl.store.ledger import audit
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +84,7 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "--resume" in out
-    newest = sorted(checkpoints_dir(run_dir).glob("step_*"))[-1]
+    newest = sorted(RunDir(run_dir).checkpoints.glob("step_*"))[-1]
     (newest / "trainer_state.pt").write_bytes(b"half a file")
     # the newest published weights truncated: found by their hash, published again by the trainer
     version = sorted(p for p in (run_dir / "weights").glob("v*.safetensors") if ".patch" not in p.name)[-1]

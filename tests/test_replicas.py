@@ -11,11 +11,11 @@ import pytest
 from conftest import job_args
 from test_recovery import assert_nothing_lost
 
-from asyncrl.chaos import Chaos, steps_recorded
-from asyncrl.checkpoint import valid_steps
-from asyncrl.events import read_events
-from asyncrl.inference import replica
-from asyncrl.supervisor import start_role, stop, wait_for_replica
+from asyncrl.observe.events import read_events
+from asyncrl.run.chaos import Chaos, steps_recorded
+from asyncrl.run.processes import start_role, stop, wait_for_replica
+from asyncrl.rundir import RunDir
+from asyncrl.store.checkpoint import valid_steps
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +83,7 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
     out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 0, out[-3000:]
     assert "ray: placed the trainer's 1 rank(s) and 2 inference replica(s)" in out
-    infos = [json.loads(replica.info_file(run_dir, i).read_text()) for i in range(2)]
+    infos = [json.loads(RunDir(run_dir).replica(i).read_text()) for i in range(2)]
     assert all(info["actor"].startswith("job.inference-") for info in infos)
     events = read_events(run_dir)
     [served] = [e["version"] for e in events if e["event"] == "inference_recovered" and e["replica"] == 0]

@@ -7,11 +7,12 @@ import sqlite3
 import pytest
 import torch
 
-from asyncrl import weights
 from asyncrl.config import ConfigError
-from asyncrl.ledger import SCHEMA
-from asyncrl.resume_check import check_resumable
-from asyncrl.trajectory import Trajectory, batch_path, write_batch
+from asyncrl.run.resume_check import check_resumable
+from asyncrl.rundir import RunDir
+from asyncrl.store.ledger import SCHEMA
+from asyncrl.trajectory import Trajectory, write_batch
+from asyncrl.transports import weights
 
 STATE = {"w": torch.arange(6, dtype=torch.float32)}
 
@@ -79,12 +80,12 @@ def test_damaged_weights_are_republished_from_their_checkpoint_or_by_the_trainer
     ledger(run_dir, batched=6, served=4)  # the orchestrator loads 4, then 5 and 6
     said = []
     for v in (4, 6):  # 4 has a checkpoint of its own; 6 is past the newest checkpoint
-        f = weights.weights_file(run_dir, v)
+        f = RunDir(run_dir).weights_file(v)
         f.write_bytes(f.read_bytes()[:40])
     check_resumable(run_dir, log=said.append)
-    republished = weights.load(weights.weights_file(run_dir, 4))
+    republished = weights.load(RunDir(run_dir).weights_file(4))
     assert weights.state_hash(republished) == weights.read_marker(run_dir, 4)["hash"]
-    assert not weights.marker_file(run_dir, 6).exists() and not weights.weights_file(run_dir, 6).exists()
+    assert not RunDir(run_dir).marker(6).exists() and not RunDir(run_dir).weights_file(6).exists()
     assert weights.read_marker(run_dir, 5) is not None  # intact: kept
     assert any("re-published from step_000004" in s for s in said)
     assert any("publishes version 6 again" in s for s in said)
@@ -93,14 +94,14 @@ def test_damaged_weights_are_republished_from_their_checkpoint_or_by_the_trainer
 def test_damaged_weights_with_nothing_to_rebuild_them_from_are_refused(run_dir):
     (run_dir / "ledger.db").unlink()
     ledger(run_dir, batched=6, served=3)  # version 3 is served, and no checkpoint holds it
-    f = weights.weights_file(run_dir, 3)
+    f = RunDir(run_dir).weights_file(3)
     f.write_bytes(b"")
     with pytest.raises(ConfigError, match="v000003.safetensors does not match its hash .* no checkpoint"):
         check_resumable(run_dir)
 
 
 def test_a_torn_batch_is_left_for_the_orchestrator_to_write_again(run_dir):
-    torn = batch_path(run_dir, 5)
+    torn = RunDir(run_dir).batch(5)
     torn.write_text('{"id": "5-0", "tok')
     check_resumable(run_dir, log=lambda *_: None)
-    assert not torn.exists() and batch_path(run_dir, 4).exists()
+    assert not torn.exists() and RunDir(run_dir).batch(4).exists()

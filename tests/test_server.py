@@ -5,13 +5,14 @@ import pytest
 import torch
 from conftest import inference_server
 
-from asyncrl import weights
-from asyncrl.access import read_token
+from asyncrl.control.access import read_token
 from asyncrl.inference.client import InferenceClient, InferenceError
-from asyncrl.model import load_policy
+from asyncrl.policy.model import load_policy
+from asyncrl.rundir import RunDir
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.step import collate
 from asyncrl.trajectory import Trajectory
+from asyncrl.transports import weights
 
 TOKEN = {}  # url -> the run's token
 
@@ -64,7 +65,7 @@ def test_updated_weights_equal_the_trainers(server):
     async def update_and_read(client):
         before = await client.version(with_hash=True)
         await client.update_weights(
-            {"path": str(weights.weights_file(run_dir, 1)), "version": 1, "hash": digest}, 30
+            {"path": str(RunDir(run_dir).weights_file(1)), "version": 1, "hash": digest}, 30
         )
         return before, await client.version(with_hash=True)
 
@@ -174,7 +175,7 @@ def test_patch_update_reproduces_the_trainers_weights(server):
     base_version = call(current, url)["version"]
     # the server holds either version 0 (model_path) or 1 (the test above); rebuild that state
     if base_version == 1:
-        model.load_state_dict(weights.load(weights.weights_file(run_dir, 1)), strict=False)
+        model.load_state_dict(weights.load(RunDir(run_dir).weights_file(1)), strict=False)
     served = weights.cast_state(weights.model_state(model), torch.float32)
     with torch.no_grad():
         first = next(model.parameters())
@@ -185,8 +186,8 @@ def test_patch_update_reproduces_the_trainers_weights(server):
     v = base_version + 1
     weights.save_patch(run_dir, v, patch)
     digest = weights.publish(run_dir, v, new, {})
-    body = {"path": str(weights.weights_file(run_dir, v)), "version": v, "hash": digest,
-            "patch": str(weights.patch_file(run_dir, v)), "base_version": base_version}
+    body = {"path": str(RunDir(run_dir).weights_file(v)), "version": v, "hash": digest,
+            "patch": str(RunDir(run_dir).patch(v)), "base_version": base_version}
 
     async def update(client):
         out = await client.update_weights(body, 30)
@@ -200,7 +201,7 @@ def test_patch_update_reproduces_the_trainers_weights(server):
         **body,
         "version": v + 1,
         "base_version": v - 5,
-        "path": str(weights.weights_file(run_dir, v + 1)),
+        "path": str(RunDir(run_dir).weights_file(v + 1)),
     }
     out, after = call(lambda c: _update_then_hash(c, stale), url)
     assert out["loaded_from"] == "full" and after["hash"] == digest
@@ -307,8 +308,8 @@ def test_admin_calls_need_the_runs_token_and_load_only_the_runs_own_weights(serv
     state = weights.model_state(load_policy(model_path)[0])
     weights.publish(tmp_path, 7, state, {})
     outside = run_dir.parent / "elsewhere.safetensors"  # reached from weights/ by ../..
-    outside.write_bytes(weights.weights_file(tmp_path, 7).read_bytes())
-    partial = weights.weights_file(run_dir, 8)
+    outside.write_bytes(RunDir(tmp_path).weights_file(7).read_bytes())
+    partial = RunDir(run_dir).weights_file(8)
     weights.publish(run_dir, 8, dict(list(state.items())[:-2]), {})
 
     async def anonymous(client):
@@ -317,7 +318,7 @@ def test_admin_calls_need_the_runs_token_and_load_only_the_runs_own_weights(serv
 
     async def foreign(client):
         errors = []
-        for body in ({"path": str(weights.weights_file(tmp_path, 7)), "version": 7},
+        for body in ({"path": str(RunDir(tmp_path).weights_file(7)), "version": 7},
                      {"path": f"{run_dir}/weights/../../{outside.name}", "version": 7},
                      {"path": str(partial), "version": 8}):
             try:

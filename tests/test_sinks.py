@@ -6,10 +6,10 @@ import json
 import pytest
 from conftest import job_config
 
-from asyncrl import sinks
 from asyncrl.config import ConfigError, load_config
-from asyncrl.events import EventLog, read_events
-from asyncrl.launcher import train
+from asyncrl.observe import sinks
+from asyncrl.observe.events import EventLog, read_events
+from asyncrl.run.launcher import train
 
 
 @pytest.mark.e2e

@@ -67,7 +67,7 @@ def test_drops_overflow_slips_only_in_the_first_token():
 def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row_naming_file_row_and_characters(tmp_path):
     import pytest
 
-    from asyncrl.model import build_char_tokenizer
+    from asyncrl.policy.model import build_char_tokenizer
     from asyncrl.rewards.tasks import BadTaskRow
 
     rows = tmp_path / "rows.jsonl"

@@ -16,8 +16,8 @@ from conftest import inference_server, job_config
 from asyncrl.agents.chat import PolicySession, Renderer
 from asyncrl.agents.episode import Episode, Limits
 from asyncrl.agents.tool_calls import parse_hermes
-from asyncrl.model import IM_END, build_bpe_tokenizer, build_tiny_model, chatml_corpus
 from asyncrl.orchestrator.rollout import score_group
+from asyncrl.policy.model import IM_END, build_bpe_tokenizer, build_tiny_model, chatml_corpus
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
 

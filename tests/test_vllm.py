@@ -11,8 +11,9 @@ import os
 import pytest
 from conftest import job_config
 
-from asyncrl.launcher import train
-from asyncrl.trajectory import batch_path, read_batch
+from asyncrl.run.launcher import train
+from asyncrl.rundir import RunDir
+from asyncrl.trajectory import read_batch
 
 VLLM_PYTHON = os.environ.get("ASYNCRL_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(
@@ -34,4 +35,4 @@ def test_synchronous_run_on_vllm_reloads_every_version(tiny_model, tmp_path):
     assert len(steps) == 4
     assert all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
     for step in range(4):
-        assert {v for t in read_batch(batch_path(run_dir, step)) for v in t.versions if v >= 0} == {step}
+        assert {v for t in read_batch(RunDir(run_dir).batch(step)) for v in t.versions if v >= 0} == {step}

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.model import load_policy
-from asyncrl.warmstart import warmstart
+from asyncrl.policy.model import load_policy
+from asyncrl.policy.warmstart import warmstart
 
 
 def test_a_warm_start_from_a_base_fine_tunes_its_weights_with_its_tokenizer(tiny_model, tmp_path):

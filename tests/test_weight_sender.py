@@ -1,7 +1,7 @@
 """The trainer's NCCL weight sender (inference.weight_transfer = "nccl"), as far as it runs without a GPU:
 the config it needs, the size of a replica's NCCL group, and its endpoint's refusals — no token, a
 malformed request, a version not yet published — reached through the vLLM client that calls it. The
-broadcast itself needs GPUs and vLLM; it is not run here (asyncrl/trainer/weight_sender.py says so)."""
+broadcast itself needs GPUs and vLLM; it is not run here (asyncrl/transports/weight_sender.py says so)."""
 import asyncio
 import json
 import urllib.error
@@ -10,11 +10,12 @@ import urllib.request
 import pytest
 import torch
 
-from asyncrl.access import ensure_token
 from asyncrl.config import ConfigError, load_config
+from asyncrl.control.access import ensure_token
 from asyncrl.inference.client import InferenceError
 from asyncrl.inference.vllm_client import VLLMClient
-from asyncrl.trainer.weight_sender import Sender, sender_file, vllm_workers
+from asyncrl.rundir import RunDir
+from asyncrl.transports.weight_sender import Sender, vllm_workers
 
 NCCL = ["--inference.engine", "vllm", "--inference.update_policy", "finish", "--inference.weight_transfer",
         "nccl", "--trainer.device", "cuda"]
@@ -52,7 +53,7 @@ def test_the_sender_refuses_what_it_must_not_send(tmp_path):
     cfg = load_config(overrides=NCCL + ["--timeouts.weight_load", "5"])
     sender = Sender(cfg, tmp_path)
     try:
-        url = json.loads(sender_file(tmp_path).read_text())["url"]
+        url = json.loads(RunDir(tmp_path).weight_sender.read_text())["url"]
         assert url.startswith("http://127.0.0.1:")  # loopback only
         request = {"replica": "http://127.0.0.1:1", "incarnation": "a", "version": 3}
         assert post(url, request, None)[0] == 401
@@ -67,7 +68,8 @@ def test_the_sender_refuses_what_it_must_not_send(tmp_path):
         assert status == 409 and "newest: 2" in body["error"]
 
         # the orchestrator's side: the client names the replica it serves and reports the refusal
-        client = VLLMClient("http://127.0.0.1:1", 10, model="m", sender=sender_file(tmp_path), token=token)
+        client = VLLMClient("http://127.0.0.1:1", 10, model="m", sender=RunDir(tmp_path).weight_sender,
+                            token=token)
         with pytest.raises(InferenceError, match="refused broadcasting version 3 to http://127.0.0.1:1 over"):
             asyncio.run(client._pushed(3, timeout=10))
     finally:
@@ -75,6 +77,6 @@ def test_the_sender_refuses_what_it_must_not_send(tmp_path):
 
 
 def test_the_client_says_when_the_sender_is_not_up(tmp_path):
-    client = VLLMClient("http://127.0.0.1:1", 10, model="m", sender=sender_file(tmp_path), token="t")
+    client = VLLMClient("http://127.0.0.1:1", 10, model="m", sender=RunDir(tmp_path).weight_sender, token="t")
     with pytest.raises(InferenceError, match="weight sender has not said where it listens"):
         asyncio.run(client._pushed(1, timeout=5))

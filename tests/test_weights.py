@@ -3,7 +3,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl import weights
+from asyncrl.rundir import RunDir
+from asyncrl.transports import weights
 
 
 def states(dtype, seed=0):
@@ -53,7 +54,7 @@ def test_published_file_is_safetensors(tmp_path, dtype):
              "b": torch.randn(7, generator=gen)}
     state = {k: v.to(dtype) for k, v in state.items()}
     digest = weights.publish(tmp_path, 1, state, {"step": 0})
-    back = load_file(weights.weights_file(tmp_path, 1))
+    back = load_file(RunDir(tmp_path).weights_file(1))
     assert list(back) == list(state) and weights.state_hash(back) == digest == weights.state_hash(state)
     assert all(back[k].shape == v.shape and back[k].dtype == v.dtype for k, v in state.items())
 
@@ -66,15 +67,15 @@ def test_pruned_file_is_written_over_by_the_next_version(tmp_path):
     for version in (1, 2, 3):
         weights.publish(tmp_path, version, big, {})
     weights.prune(tmp_path, 3, keep=2)  # drops version 1, keeps its file as the spare
-    assert not weights.weights_file(tmp_path, 1).exists()
-    spare = weights.weights_dir(tmp_path) / ".spare.safetensors"
+    assert not RunDir(tmp_path).weights_file(1).exists()
+    spare = RunDir(tmp_path).weights / ".spare.safetensors"
     inode = spare.stat().st_ino
     weights.publish(tmp_path, 4, small, {})
-    path = weights.weights_file(tmp_path, 4)
+    path = RunDir(tmp_path).weights_file(4)
     assert path.stat().st_ino == inode and not spare.exists()
     assert torch.equal(load_file(path)["w"], small["w"]) and list(load_file(path)) == ["w"]
     assert weights.read_marker(tmp_path, 4)["hash"] == weights.state_hash(small)
-    assert torch.equal(load_file(weights.weights_file(tmp_path, 3))["w"], big["w"])  # the kept ones intact
+    assert torch.equal(load_file(RunDir(tmp_path).weights_file(3))["w"], big["w"])  # the kept ones intact
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,12 +29,12 @@ from asyncrl.agents.env import Environment, env_agent
 from asyncrl.agents.episode import Episode, EpisodeAborted, Limits
 from asyncrl.agents.tools import Tool, ToolResult, find_tool
 from asyncrl.config import ConfigError
-from asyncrl.fatal import ContractError, FatalError
-from asyncrl.imports import import_object
 from asyncrl.inference.client import InferenceUnavailable
-from asyncrl.model import TINY_CHAT_TEMPLATE
+from asyncrl.plugins import import_object
+from asyncrl.policy.model import TINY_CHAT_TEMPLATE
 from asyncrl.rewards.pool import VerifierError
 from asyncrl.rewards.tasks import as_number
+from asyncrl.run.role import ContractError, FatalError
 
 
 def load_agent(path: str):

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from asyncrl.fatal import ContractError
+from asyncrl.run.role import ContractError
 
 # Threads for plain-function tools, apart from the event loop's default executor (which also starts
 # verifier workers): a tool thread abandoned at its deadline holds one of these, not one of those.

@@ -36,7 +36,7 @@ class InferenceClient:
     def __init__(self, url: str, timeout: float, token: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}  # the run's (asyncrl/access.py)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}  # control/access.py
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "InferenceClient":
@@ -157,15 +157,3 @@ class InferenceClient:
                     ) from None
                 await asyncio.sleep(0.2)
 
-
-def client_for(cfg, url: str, token: str | None = None, run_dir=None):
-    """The client of the configured engine at `url`: asyncrl's own server (with the run's token), or a
-    vLLM one (its versions from files, or broadcast by the trainer of the run in `run_dir`)."""
-    if cfg.inference.engine == "vllm":
-        from asyncrl.inference.vllm_client import VLLMClient
-        from asyncrl.trainer.weight_sender import sender_file
-
-        nccl = cfg.inference.weight_transfer == "nccl"
-        return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path,
-                          sender=sender_file(run_dir) if nccl else None, token=token)
-    return InferenceClient(url, cfg.timeouts.http, token)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from asyncrl.rundir import RunDir
+
 
 def role(index: int) -> str:
     return f"inference-{index}"
@@ -17,14 +19,10 @@ def index_of(role_name: str) -> int | None:
     return int(index) if prefix == "inference" and index.isdigit() else None
 
 
-def info_file(run_dir: str | Path, index: int) -> Path:
-    return Path(run_dir) / "replicas" / f"{index}.json"
-
-
 def read_info(run_dir: str | Path, index: int) -> dict | None:
     """What replica `index` last wrote, or None (not started yet, or a torn write by a foreign tool)."""
     try:
-        info = json.loads(info_file(run_dir, index).read_text())
+        info = json.loads(RunDir(run_dir).replica(index).read_text())
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) and isinstance(info.get("url"), str) else None
@@ -33,7 +31,7 @@ def read_info(run_dir: str | Path, index: int) -> dict | None:
 def known(run_dir: str | Path) -> dict[int, dict]:
     """Every replica that has written its file: the configured ones and any that joined mid-run."""
     found = {}
-    for path in sorted((Path(run_dir) / "replicas").glob("*.json")):
+    for path in sorted(RunDir(run_dir).replicas.glob("*.json")):
         if path.stem.isdigit() and (info := read_info(run_dir, int(path.stem))) is not None:
             found[int(path.stem)] = info
     return found

@@ -11,7 +11,7 @@
 
 The admin endpoints (update_weights, pause, resume, abort) need the run's token, and every endpoint
 does when the server is bound beyond loopback; /update_weights loads only files under the run's
-weights/ (asyncrl/access.py). One worker thread (asyncrl/inference/worker.py) owns the engine
+weights/ (asyncrl/control/access.py). One worker thread (asyncrl/inference/worker.py) owns the engine
 and runs it with continuous batching; requests join the running batch at the next token
 boundary. A weight update lands at a token boundary too (`policy`: interrupt, keep, abort or
 finish; default inference.update_policy).
@@ -34,16 +34,17 @@ import orjson
 import torch
 from aiohttp import web
 
-from asyncrl import event_loop, weights
-from asyncrl.access import LOOPBACK, ensure_token, inside
 from asyncrl.config import read_run_config
-from asyncrl.fatal import configure_logging
+from asyncrl.control.access import LOOPBACK, ensure_token, inside
 from asyncrl.files import write_atomic
-from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference import replica
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
-from asyncrl.model import load_policy
+from asyncrl.policy.model import load_policy
+from asyncrl.run import event_loop
+from asyncrl.run.heartbeat import Heartbeat
+from asyncrl.run.role import configure_logging
+from asyncrl.rundir import RunDir
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -134,7 +135,7 @@ def guard(token: str, everything: bool):
 
 def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> web.Application:
     engine = worker.engine
-    weights_root = weights.weights_dir(run_dir)
+    weights_root = RunDir(run_dir).weights
     vocab = engine.model.get_input_embeddings().num_embeddings
     max_prompt_tokens, load_timeout = cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load
 
@@ -298,8 +299,8 @@ async def serve(run_dir: Path, index: int = 0) -> None:
     site = await _bind(runner, cfg.inference.host, port)
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
-    replica.info_file(run_dir, index).parent.mkdir(exist_ok=True)
-    write_atomic(replica.info_file(run_dir, index), json.dumps({"url": url, "pid": os.getpid()}))
+    RunDir(run_dir).replica(index).parent.mkdir(exist_ok=True)
+    write_atomic(RunDir(run_dir).replica(index), json.dumps({"url": url, "pid": os.getpid()}))
     log.info(f"inference {index}: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads")
     await asyncio.Event().wait()
 

@@ -11,7 +11,7 @@ therefore sampled by the version current when the request started: the "finish" 
 Interrupting mid-request would need per-token versions, which vLLM does not report.
 
 With inference.weight_transfer = "nccl" the reload is replaced by a push: between the pause and the
-resume the client asks the trainer's weight sender (asyncrl/trainer/weight_sender.py; not yet run on a
+resume the client asks the trainer's weight sender (asyncrl/transports/weight_sender.py; not yet run on a
 GPU) to broadcast its newest version into this server, and records the version it names.
 """
 from __future__ import annotations

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from asyncrl import weights
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
-from asyncrl.profile import Phases
+from asyncrl.observe.profile import Phases
+from asyncrl.transports import weights
 
 log = logging.getLogger("asyncrl.inference")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from asyncrl.imports import import_object
+from asyncrl.plugins import import_object
 
 REGISTRY: dict[str, str] = {
     "ppo_clip": "asyncrl.objectives.ppo_clip:loss",

@@ -9,8 +9,8 @@ if __name__ == "__main__":
     import sys
     from pathlib import Path
 
-    from asyncrl import event_loop
-    from asyncrl.fatal import run_role
     from asyncrl.orchestrator.main import main
+    from asyncrl.run import event_loop
+    from asyncrl.run.role import run_role
 
     run_role("orchestrator", sys.argv[1], lambda: event_loop.run(main(Path(sys.argv[1]))))

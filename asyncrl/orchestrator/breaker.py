@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from asyncrl.fatal import FatalError
+from asyncrl.run.role import FatalError
 
 MIN_FAILED = 16
 

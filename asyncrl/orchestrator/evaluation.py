@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.fatal import ContractError
 from asyncrl.orchestrator.rollout import all_or_none
 from asyncrl.rewards.pool import VerifierError
 from asyncrl.rewards.tasks import BadTaskRow, eval_entries
+from asyncrl.run.role import ContractError
 
 EVAL_CHUNK = 64  # held-out prompts per request
 

@@ -7,7 +7,7 @@ Three loops share one asyncio event loop:
            records the step's metrics, commits the batches a durable checkpoint contains, and
            runs the held-out evaluation every few versions.
 
-Every state change goes to the ledger first (asyncrl/ledger.py), so a restarted orchestrator
+Every state change goes to the ledger first (asyncrl/store/ledger.py), so a restarted orchestrator
 rebuilds everything from it: prompts whose generation was lost are issued again, finished groups
 go back to the ready pool, the gate and the cursor are recounted. If the inference server goes
 away mid-run, the orchestrator waits for it to come back, has it load the served version again
@@ -24,18 +24,19 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl import pausing
-from asyncrl.access import read_token
 from asyncrl.agents.proxy import start_proxy
 from asyncrl.agents.runner import AgentRunner
 from asyncrl.config import Config, read_run_config
-from asyncrl.events import EventLog
+from asyncrl.control import api as control
+from asyncrl.control import pausing
+from asyncrl.control.access import read_token
+from asyncrl.control.live import actions_at, settings_at, with_settings
 from asyncrl.files import apoll, write_atomic
-from asyncrl.heartbeat import Heartbeat
 from asyncrl.inference.client import InferenceUnavailable
-from asyncrl.ledger import Ledger
-from asyncrl.live import actions_at, settings_at, with_settings
-from asyncrl.orchestrator import control, waves
+from asyncrl.observe.events import EventLog
+from asyncrl.observe.profile import Phases
+from asyncrl.observe.sinks import Sinks
+from asyncrl.orchestrator import waves
 from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
@@ -44,19 +45,20 @@ from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, score_group
 from asyncrl.orchestrator.staleness import StalenessGate
-from asyncrl.orchestrator.trainer_link import trainer_link
-from asyncrl.profile import Phases
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
-from asyncrl.sinks import Sinks
-from asyncrl.trajectory import Trajectory, batch_path, write_batch
+from asyncrl.run.heartbeat import Heartbeat
+from asyncrl.rundir import RunDir
+from asyncrl.store.ledger import Ledger
+from asyncrl.trajectory import Trajectory, write_batch
+from asyncrl.transports.trainer_link import trainer_link
 
 
 class Orchestrator:
     def __init__(self, cfg: Config, run_dir: Path, router: Router, tokenizer, verifiers: VerifierPool, link):
         self.cfg, self.run_dir, self.router, self.tokenizer = cfg, run_dir, router, tokenizer
-        self.base_cfg = cfg  # self.cfg is it with the live changes in force (asyncrl/live.py)
-        self.link = link  # to the trainer: asyncrl/orchestrator/trainer_link.py
+        self.base_cfg = cfg  # self.cfg is it with the live changes in force (asyncrl/control/live.py)
+        self.link = link  # to the trainer: asyncrl/transports/trainer_link.py
         self.verifiers = verifiers
         self.tasks = load_tasks(cfg.task)
         self.advantages = advantage_fn(cfg.rollout.advantage, cfg.rollout.baseline_decay)
@@ -101,12 +103,12 @@ class Orchestrator:
         if isinstance(self.advantages, RunningBaseline):
             self.advantages.value = led.get("baseline")
         for step in batched:  # a crash between the ledger and the file: write it again
-            if not batch_path(self.run_dir, step).exists():
+            if not RunDir(self.run_dir).batch(step).exists():
                 self._write_batch(step, led.batch_samples(step))
         self.committed_through = 0  # (from the trainer's checkpoints: _connect_trainer)
         # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
-        write_atomic(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in led.metrics()))
-        self.metrics = open(self.run_dir / "metrics.jsonl", "a")
+        write_atomic(RunDir(self.run_dir).metrics, "".join(json.dumps(r) + "\n" for r in led.metrics()))
+        self.metrics = open(RunDir(self.run_dir).metrics, "a")
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from asyncrl.profile import Phases
+from asyncrl.observe.profile import Phases
 from asyncrl.trajectory import Trajectory
 
 
@@ -41,7 +41,7 @@ def task_stats(trajs: list[Trajectory]) -> dict:
 
 
 def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_since: float) -> dict:
-    """Running totals of where each role's time went (asyncrl/profile.py), for the report's chart:
+    """Running totals of where each role's time went (asyncrl/observe/profile.py), for the report's chart:
     the inference server's phases from its /stats, the orchestrator's own, the verifiers' CPU."""
     inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
     return {

@@ -14,11 +14,13 @@ import asyncio
 import time
 from pathlib import Path
 
-from asyncrl.events import EventLog
 from asyncrl.files import apoll
 from asyncrl.inference import replica as replica_files
-from asyncrl.inference.client import InferenceError, InferenceUnavailable, client_for
-from asyncrl.orchestrator.staging import Stager
+from asyncrl.inference.client import InferenceClient, InferenceError, InferenceUnavailable
+from asyncrl.inference.vllm_client import VLLMClient
+from asyncrl.observe.events import EventLog
+from asyncrl.rundir import RunDir
+from asyncrl.transports.staging import Stager
 
 ATTEMPTS = 3  # a group whose server dies under it this often fails (and with it the run)
 WATCH_EVERY = 0.5  # seconds between looks for replicas that came back or joined
@@ -37,7 +39,7 @@ class Replica:
 
 class Router:
     def __init__(self, cfg, run_dir: Path, events: EventLog, token: str | None, link):
-        """`link`: to the trainer, which publishes the versions (asyncrl/orchestrator/trainer_link.py)."""
+        """`link`: to the trainer, which publishes the versions (asyncrl/transports/trainer_link.py)."""
         self.cfg, self.run_dir, self.events, self.token, self.link = cfg, run_dir, events, token, link
         self.version = 0  # the served version, set from the ledger; every routed replica holds it
         self.replicas: dict[int, Replica] = {}
@@ -52,7 +54,7 @@ class Router:
         """Until one replica answers /health, within timeouts.startup (before anything slower starts)."""
         deadline = self.cfg.timeouts.startup
         await apoll(lambda: self._discover() or None, deadline,
-                    f"orchestrator: no inference replica wrote {self.run_dir / 'replicas'} within "
+                    f"orchestrator: no inference replica wrote {RunDir(self.run_dir).replicas} within "
                     f"{deadline:.0f}s (timeouts.startup)", every=0.1)
         for r in self.replicas.values():
             await self._open(r)
@@ -251,3 +253,13 @@ def _add(total: dict, stats: dict) -> None:
             _add(total.setdefault(key, {}), value)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             total[key] = total.get(key, 0) + value
+
+
+def client_for(cfg, url: str, token: str | None = None, run_dir=None):
+    """The client of the configured engine at `url`: asyncrl's own server (with the run's token), or a
+    vLLM one (its versions from files, or broadcast by the trainer of the run in `run_dir`)."""
+    if cfg.inference.engine == "vllm":
+        nccl = cfg.inference.weight_transfer == "nccl"
+        return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path,
+                          sender=RunDir(run_dir).weight_sender if nccl else None, token=token)
+    return InferenceClient(url, cfg.timeouts.http, token)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import math
 
-from asyncrl.fatal import ContractError
 from asyncrl.rewards.pool import VerifierError, VerifierPool
+from asyncrl.run.role import ContractError
 from asyncrl.trajectory import Trajectory
 
 

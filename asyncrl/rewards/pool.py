@@ -10,8 +10,8 @@ import asyncio
 import multiprocessing
 import time
 
-from asyncrl.fatal import ContractError
-from asyncrl.sections import TaskConfig
+from asyncrl.config.sections import TaskConfig
+from asyncrl.run.role import ContractError
 
 STARTUP_DEADLINE = 120.0  # seconds for a worker to import the task's code
 SPLIT_ABOVE_SECONDS = 0.005  # a chunk that scores faster than this goes to one worker whole

@@ -23,9 +23,9 @@ import weakref
 from typing import Any
 
 from asyncrl.config import ConfigError
-from asyncrl.fatal import ContractError
-from asyncrl.imports import import_object
-from asyncrl.sections import TaskConfig
+from asyncrl.config.sections import TaskConfig
+from asyncrl.plugins import import_object
+from asyncrl.run.role import ContractError
 
 _SIZE = 2**62  # reasoning-gym generates item i on demand; the size only bounds the index
 _STRIDE = 1_000_000_007  # between a split's attempts at one index: a prime, so no index pattern repeats

@@ -19,20 +19,23 @@ from pathlib import Path
 
 import torch
 
-from asyncrl import checkpoint, pausing, weights
 from asyncrl.config import read_run_config
-from asyncrl.events import EventLog
-from asyncrl.fatal import FatalError, run_role
+from asyncrl.control import pausing
+from asyncrl.control.live import with_settings
 from asyncrl.files import poll
-from asyncrl.heartbeat import Heartbeat
-from asyncrl.ledger import batch_digest
-from asyncrl.live import with_settings
-from asyncrl.model import load_policy
 from asyncrl.objectives import get_objective
-from asyncrl.profile import Phases
+from asyncrl.observe.events import EventLog
+from asyncrl.observe.profile import Phases
+from asyncrl.policy.model import load_policy
+from asyncrl.run.heartbeat import Heartbeat
+from asyncrl.run.role import FatalError, run_role
+from asyncrl.rundir import RunDir
+from asyncrl.store import checkpoint
+from asyncrl.store.ledger import batch_digest
 from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step, warm_up
-from asyncrl.trajectory import batch_path, read_batch, read_header
+from asyncrl.trajectory import read_batch, read_header
+from asyncrl.transports import weights
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -65,7 +68,7 @@ def use_lr(optimizer, scheduler, lr: float) -> None:
 
 
 def wait_for_batch(run_dir: Path, step: int, deadline_s: float, heartbeat: Heartbeat) -> Path:
-    path = batch_path(run_dir, step)
+    path = RunDir(run_dir).batch(step)
 
     def arrived() -> bool:
         heartbeat.beat()
@@ -156,7 +159,7 @@ class Setup:
     first_step: int
     ref_model: torch.nn.Module | None
     published: list[str]  # names of the published weights (tied weights once), from the unsharded model
-    settings: dict  # the live settings in force at the checkpoint resumed from (asyncrl/live.py)
+    settings: dict  # the live settings in force at the checkpoint resumed from (asyncrl/control/live.py)
 
 
 def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
@@ -197,7 +200,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                                          cfg.timeouts.checkpoint, ranks)
     sender = None  # inference.weight_transfer = "nccl": versions go from here into the vLLM replicas
     if leader and cfg.inference.weight_transfer == "nccl":
-        from asyncrl.trainer.weight_sender import Sender
+        from asyncrl.transports.weight_sender import Sender
 
         sender = Sender(cfg, run_dir)
         sender.publish(setup.first_step, state)
@@ -218,7 +221,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
         with phases("read_batch"):
             batch = (read_batch(path), read_header(path)) if leader else None
             trajs, header = ranks.broadcast(batch)
-        step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (asyncrl/live.py)
+        step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (control/live.py)
         steps = step_cfg.run.steps
         use_lr(optimizer, scheduler, step_cfg.trainer.lr)
         t1 = time.monotonic()

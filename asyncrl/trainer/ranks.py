@@ -4,7 +4,7 @@ The trainer role's process is rank 0, the leader: it starts ranks 1..M-1 as its 
 with it), and dies itself, with the child's exit code, the moment one of them dies — so a dead rank takes
 the whole group down and the supervisor restarts it from the last checkpoint, as it restarts a one-rank
 trainer. Under Ray the leader's host starts each other rank in a host of its own, on any node
-(asyncrl/ray_host.py), and stops the group the same way. Every collective has the group's timeout (gloo
+(cluster/ray_host.py), and stops the group the same way. Every collective has the group's timeout (gloo
 on CPU, NCCL on GPUs; neither waits forever).
 
 Only the leader touches the run directory (batches in, versions and checkpoints out, heartbeat, events);
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.ports import free_port
+from asyncrl.run.ports import free_port
 
 RANK_ENV = "ASYNCRL_TRAINER_RANK"
 HOSTED_ENV = "ASYNCRL_TRAINER_RANKS_HOSTED"  # set: the launcher started every rank (Ray: a host per rank)
@@ -112,7 +112,7 @@ class Ranks:
     def full_model_state(self, model, keys: list[str] | None) -> dict[str, torch.Tensor]:
         """The weights to publish, on the leader ({} on the others); `keys`: those of the unsharded
         model's published state (tied weights once)."""
-        from asyncrl import weights
+        from asyncrl.transports import weights
 
         if self.size == 1:
             return weights.model_state(model)
@@ -160,7 +160,7 @@ def join_group(cfg, run_dir: Path, log=print) -> Ranks:
 def _start_followers(run_dir: Path, size: int, log) -> None:
     """Ranks 1..size-1 as children of this process (bound to its life); a watcher ends this process with
     the exit code of the first that dies, so the group never waits on a dead rank."""
-    from asyncrl.supervisor import spawn
+    from asyncrl.run.processes import spawn
 
     followers = {}
     for rank in range(1, size):

@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from asyncrl.fatal import ContractError
 from asyncrl.objectives.common import LossInputs
-from asyncrl.profile import Phases
+from asyncrl.observe.profile import Phases
 from asyncrl.rewards.tasks import as_number
+from asyncrl.run.role import ContractError
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.ranks import Ranks
 from asyncrl.trajectory import Trajectory

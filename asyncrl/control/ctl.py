@@ -1,0 +1,89 @@
+"""`asyncrl ctl RUN_DIR ...`: steer a running job through its control API
+(asyncrl/control/api.py), on loopback with the run's token.
+
+    asyncrl ctl RUN_DIR status              step, version served, live settings, changes made
+    asyncrl ctl RUN_DIR set KEY VALUE       a live change, in force from the next batch (live.py)
+    asyncrl ctl RUN_DIR eval                a held-out evaluation of the version served, now
+    asyncrl ctl RUN_DIR checkpoint          the trainer checkpoints after the next batch
+    asyncrl ctl RUN_DIR stop                the run ends after the next batch (final checkpoint, report)
+    asyncrl ctl RUN_DIR pause | resume      no new rollouts (those generating are trained) / go on
+    asyncrl ctl RUN_DIR dashboard           the address of the run's page, token included (keep it private)
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from asyncrl.config import ConfigError
+from asyncrl.control.access import read_token
+from asyncrl.rundir import RunDir
+
+DEADLINE = 10.0  # seconds for the job to answer
+
+
+def request(run_dir: str | Path, method: str, path: str, body: dict | None = None) -> dict:
+    """The control API's answer; ConfigError saying why there is none (not running, refused, silent)."""
+    where = RunDir(run_dir).control
+    if not where.exists():
+        raise ConfigError(f"{run_dir}: no job is running there (no {where.name}: the orchestrator writes it "
+                          "while it runs)")
+    url = json.loads(where.read_text())["url"]
+    token = read_token(run_dir)
+    if token is None:
+        raise ConfigError(f"{run_dir}: the run has no token file; the control API needs it")
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        message = json.loads(e.read() or b"{}").get("error", e.reason)
+        raise ConfigError(f"the job refused: {message}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(f"the job's control API at {url} did not answer ({reason}); the orchestrator may "
+                          "be restarting (try again) or the run has ended") from None
+
+
+COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard")
+
+
+def main(args: list[str]) -> int:
+    if len(args) < 2 or args[1] not in COMMANDS or (args[1] == "set") != (len(args) == 4) or len(args) > 4:
+        usage = " | ".join(COMMANDS).replace("set", "set KEY VALUE")
+        raise ConfigError(f"usage: asyncrl ctl RUN_DIR {usage}")
+    run_dir, command = args[0], args[1]
+    if command == "status":
+        print(describe(request(run_dir, "GET", "/status")))
+    elif command == "dashboard":
+        request(run_dir, "GET", "/status")  # (it answers: the address is live)
+        print(f"{json.loads(RunDir(run_dir).control.read_text())['url']}/?token={read_token(run_dir)}")
+    elif command in ("pause", "resume"):
+        answer = request(run_dir, "POST", f"/{command}")
+        said = "paused: no new rollouts" if answer["paused"] else "resumed"
+        print(f"{said} (assembling step {answer['step']})")
+    elif command == "eval":
+        version = request(run_dir, "POST", "/eval")["version"]
+        print(f"evaluating version {version} (metrics.jsonl has the result)")
+    else:
+        body = {"key": args[2], "value": args[3]} if command == "set" else None
+        answer = request(run_dir, "POST", f"/{command}", body)
+        what = {"set": f"{answer['key']} = {answer['value']!r}", "checkpoint": "a checkpoint",
+                "stop": f"stop (run.steps = {answer['value']})"}[command]
+        print(f"{what}: recorded (change {answer['id']}), in force from the next batch assembled "
+              f"(step {answer['from_step']})")
+    return 0
+
+
+def describe(status: dict) -> str:
+    lines = [f"step {status['step']} of {status['steps']}, version {status['served_version']} served, "
+             f"{status['in_flight_groups']} groups generating, {status['ready_groups']} ready"
+             + (" (PAUSED)" if status["paused"] else "")]
+    lines += [f"  {key} = {value!r}" for key, value in status["settings"].items()]
+    for c in status["changes"]:
+        when = f"from step {c['step']}" if c["step"] is not None else "pending"
+        lines.append(f"  change {c['id']}: {c['key']} = {c['value']!r} ({when})")
+    return "\n".join(lines)

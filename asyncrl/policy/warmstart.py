@@ -1,0 +1,218 @@
+"""Build the tiny default policy: a BPE tokenizer trained on the task's text, a ~1M-parameter Qwen3
+built from its config, and a supervised warm start on demonstrations.
+
+The demonstrations come from a teacher (warmstart.teacher) that is sometimes wrong in a
+consistent way, so the policy's greedy answer is often wrong where its samples are often right:
+the room RL has to climb. Held-out prompts are never shown (task.holdout).
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from asyncrl.agents.chat import Renderer, conversation_segments
+from asyncrl.config import Config
+from asyncrl.inference.engine import Engine, SamplingParams
+from asyncrl.plugins import import_object
+from asyncrl.policy.model import (
+    build_bpe_tokenizer,
+    build_char_tokenizer,
+    build_tiny_model,
+    chatml_corpus,
+    load_policy,
+)
+from asyncrl.rewards.tasks import BadTaskRow, TaskSource, eval_entries, load_tasks
+
+CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
+
+
+def _task_example(
+    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random
+) -> tuple[list[int], list[int]]:
+    """(prompt + answer + eos ids, labels only on the answer and eos)."""
+    entry = tasks.item(index)
+    prompt = tasks.prompt_ids(entry, tokenizer)
+    answer = teacher(entry, rng) if teacher else entry["answer"]
+    answer = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def _demo_example(demos, renderer: Renderer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(a demonstration conversation's ids, labels only on the policy's turns)."""
+    demo = demos(rng)
+    ids, labels = [], []
+    for text, is_policy in conversation_segments(renderer, demo["messages"], demo.get("tools")):
+        piece = renderer.encode(text)
+        ids += piece
+        labels += piece if is_policy else [-100] * len(piece)
+    return ids, labels
+
+
+def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels."""
+    rows, labels = zip(*examples)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    lab = torch.full((len(rows), width), -100)
+    for k, (r, lb) in enumerate(zip(rows, labels)):
+        ids[k, : len(r)] = torch.tensor(r)
+        lab[k, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+def greedy_accuracy(model, tokenizer, tasks: TaskSource, size: int, max_tokens: int = 8) -> float:
+    """Fraction of `size` held-out items (distinct prompts) solved (reward 1) by greedy decoding."""
+    entries = eval_entries(tasks, size)
+    if not entries:
+        return float("nan")
+    engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    prompts = [tasks.prompt_ids(e, tokenizer) for e in entries]
+    samples = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+    return sum(tasks.score(t, e) >= 1.0 for t, e in zip(texts, entries)) / len(entries)
+
+
+def build_tokenizer(cfg: Config, tasks: TaskSource, demos):
+    """The warm start's tokenizer: char, or BPE trained on the task's prompts and answers (or the demos)."""
+    if cfg.warmstart.tokenizer == "char":
+        return build_char_tokenizer()
+    rng = random.Random(cfg.warmstart.seed)
+    if demos:
+        texts = [json.dumps(demos(rng)) for _ in range(CORPUS_ITEMS)]
+    else:
+        texts = []
+        for index in range(CORPUS_ITEMS):
+            try:
+                entry = tasks.item(index)
+                texts.append(f"{tasks.prompt(entry)} {entry['answer']}")
+            except BadTaskRow:
+                continue
+    return build_bpe_tokenizer(chatml_corpus(texts), cfg.warmstart.vocab_size)
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, the peak until 70% of the steps, then linearly down to a tenth. A tiny model
+    learns to add only after a plateau whose length depends on the seed (500 to 1200 steps at 1e-3
+    here); an lr that decays from the start (cosine) kept some seeds on it, no warm-up (2e-3) all."""
+    decay_from = 0.7 * steps
+    tail = 1.0 if step < decay_from else 1.0 - 0.9 * (step - decay_from) / max(1.0, steps - decay_from)
+    return min(1.0, (step + 1) / warmup) * tail
+
+
+def recipe(cfg: Config) -> dict:
+    """What a warm-started policy is a function of: the launcher rebuilds the default policy when it
+    changes."""
+    unset = {"base"} if cfg.warmstart.base is None else set()  # (older policies stay current)
+    return cfg.model_dump(mode="json", include={
+        "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"} - unset,
+        "task": {"name", "params", "prompt_format", "chat", "holdout"}})
+
+
+def is_current(cfg: Config, model_dir: str | Path) -> bool:
+    """Whether `model_dir` was warm-started by this config's recipe."""
+    try:
+        built = json.loads((Path(model_dir) / "warmstart.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return built.get("recipe") == recipe(cfg)
+
+
+def _teacher(ws):
+    """The demonstrations' answer function (entry, rng) -> str, or None for the task's own answers."""
+    if not ws.teacher or ws.demos:
+        return None
+    function = import_object(ws.teacher, "warmstart.teacher")
+    return lambda entry, rng: str(function(entry, rng, **ws.teacher_params))
+
+
+def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict:
+    ws = cfg.warmstart
+    out = Path(out_dir or cfg.model.path)
+    torch.set_num_threads(ws.threads)
+    torch.manual_seed(ws.seed)
+    rng = random.Random(ws.seed)
+    # Supervised data comes from the warm start's own seed, apart from RL's (task.seed) and eval's
+    # (task.eval_seed) streams, so reseeding an RL run reuses its policy instead of rebuilding it.
+    train_tasks = load_tasks(cfg.task, seed=ws.seed + 7920)
+    eval_tasks = load_tasks(cfg.task, held_out=True) or train_tasks
+    demos = import_object(ws.demos, "warmstart.demos") if ws.demos else None
+    teacher = _teacher(ws)
+    if ws.base:
+        try:
+            model, tokenizer = load_policy(ws.base)
+        except FileNotFoundError as e:
+            local = Path(ws.base).exists()
+            where = "" if local else " (no directory of that name here, so it was tried as a hub name)"
+            raise FileNotFoundError(f"warmstart.base = {ws.base!r}{where}: {e}") from None
+    else:
+        tokenizer = build_tokenizer(cfg, train_tasks, demos)
+        model = build_tiny_model(
+            tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads
+        )
+    architecture = model.config.model_type
+    n_params = sum(p.numel() for p in model.parameters())
+    renderer = Renderer(tokenizer)
+
+    def example() -> tuple[list[int], list[int]]:
+        if demos:
+            return _demo_example(demos, renderer, rng)
+        while True:
+            try:
+                return _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng)
+            except BadTaskRow:
+                continue
+
+    source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
+    built = ws.base or f"{ws.tokenizer} tokenizer"
+    log(f"warmstart: {n_params / 1e6:.2f}M-parameter {architecture}, {built} of {len(tokenizer)} tokens, "
+        f"{ws.steps} steps of supervised training on {source}")
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, ws.steps, ws.warmup_steps))
+    start, step, loss_value = time.monotonic(), 0, float("nan")
+    model.train()
+    while step < ws.steps and time.monotonic() - start < ws.max_seconds:
+        ids, labels = _sft_batch([example() for _ in range(ws.batch_size)], tokenizer.pad_token_id)
+        mask = (ids != tokenizer.pad_token_id).long()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        step, loss_value = step + 1, loss.item()
+        if step % 100 == 0:
+            log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
+    model.eval()
+    if step < ws.steps:  # a slow or busy machine: the policy may not have learned what the recipe needs
+        log(
+            f"\nwarmstart: stopped at step {step} of {ws.steps} by "
+            f"warmstart.max_seconds = {ws.max_seconds:.0f}; "
+            "the policy may be undertrained (is another job using the cores?)"
+        )
+    # an agent task's accuracy needs its agent: the run's first evaluation measures it
+    accuracy = (
+        float("nan")
+        if demos
+        else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200, cfg.rollout.max_tokens)
+    )
+    summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
+               "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,
+               "tokenizer": ws.base or ws.tokenizer, "vocab": len(tokenizer), "architecture": architecture,
+               "recipe": recipe(cfg)}
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "warmstart.json").write_text(json.dumps(summary, indent=2))
+    log(f"\nwarmstart: {step} steps, loss {loss_value:.3f}, greedy accuracy {accuracy:.1%} -> {out}")
+    return summary
+
+
+if __name__ == "__main__":
+    from asyncrl.config import load_config
+
+    warmstart(load_config(overrides=sys.argv[1:]), log=lambda *a, **k: print(*a, **k, flush=True))

@@ -1,0 +1,14 @@
+"""Starting a run's roles and keeping them alive.
+
+launcher      `asyncrl train`: checks, starts the roles, waits for the end, writes the report
+supervisor    the local role processes: restart, heartbeats, deadlines, no orphans
+processes     spawning one role process (its command, environment and log)
+preflight     every input checked before any role starts
+resume_check  what a resumed run must agree with
+lock          one launcher per run directory
+standby       the warm spare trainer that takes over a dead one
+threads       how many torch threads each role gets on this machine
+chaos         role kills on a schedule, for the recovery tests and benchmarks
+role          a role process's entry: logging, the fatal-error contract
+heartbeat, ports, event_loop   what every role process shares
+"""

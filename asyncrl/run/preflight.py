@@ -1,0 +1,163 @@
+"""What is checked before any process starts: a bad model, task, objective or agent fails here in
+one sentence naming it, not minutes later inside a role that restarts into the same error."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from asyncrl.config import Config, ConfigError
+from asyncrl.config.sections import ModelConfig
+from asyncrl.observe.sinks import check_installed
+
+DEFAULT_MODEL = ModelConfig().path
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_inputs(cfg: Config, log=print) -> None:
+    """Fail before any process starts: model, task and objective must all resolve."""
+    from asyncrl.objectives import get_objective
+    from asyncrl.rewards.tasks import load_tasks
+
+    load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
+    buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
+    if buildable:
+        from asyncrl.policy.warmstart import is_current, warmstart
+
+        if not Path(cfg.model.path).exists():
+            log(f"{cfg.model.path} is missing: building the tiny policy first")
+            warmstart(cfg, cfg.model.path, log=log)
+        elif not is_current(cfg, cfg.model.path):
+            log(
+                f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): "
+                "building it again"
+            )
+            warmstart(cfg, cfg.model.path, log=log)
+    elif not Path(cfg.model.path).exists():
+        _check_hub_model(cfg.model.path)
+    if Path(cfg.model.path).exists():
+        check_model(Path(cfg.model.path))
+    _check_prompts(cfg, log)
+    agents = {path for path in cfg.agent_paths().values() if path}
+    if agents:
+        from asyncrl.agents.runner import chat_template, load_agent
+
+        for path in agents:
+            load_agent(path)
+        chat_template(cfg.agent.chat_template)
+    get_objective(cfg.objective.name, cfg.objective.import_path)
+    check_installed(cfg)  # (the metric sinks asked for)
+
+
+def _check_prompts(cfg: Config, log) -> None:
+    """task.chat needs a chat template; a thin held-out set is said before the run, not found after it."""
+    from asyncrl.rewards.tasks import eval_entries, load_tasks
+
+    model = Path(cfg.model.path)
+    if cfg.task.chat and model.is_dir() and not _has_chat_template(model):
+        raise ConfigError(f"task.chat = true but the tokenizer in {model} has no chat template; "
+                          "set task.chat = false to send prompts as plain text")
+    held_out = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
+    found = len(eval_entries(held_out, cfg.task.eval_size)) if held_out else cfg.task.eval_size
+    if found < cfg.task.eval_size:
+        why = (
+            (
+                f"task.holdout = {cfg.task.holdout} keeps few of a task with few distinct items apart "
+                "(task.holdout = 0 "
+                "evaluates on the whole task instead)"
+            )
+            if cfg.task.holdout
+            else "the task has no more distinct items"
+        )
+        log(
+            f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked "
+            f"(task.eval_size): {why}"
+        )
+
+
+def _has_chat_template(model: Path) -> bool:
+    if (model / "chat_template.jinja").exists():
+        return True
+    try:
+        return bool(json.loads((model / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _check_hub_model(name: str) -> None:
+    """A model.path that is not a local directory must at least resolve on the hub (or its cache)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except Exception as e:
+        raise ConfigError(
+            f"model.path = {name!r} is not a local directory and cannot be loaded as a hub model "
+            f"({type(e).__name__}); run `asyncrl warmstart` for the tiny default or fix the path"
+        ) from None
+
+
+
+def check_model(path: Path) -> None:
+    """A local model directory must hold a readable config, a tokenizer and complete weights; each
+    problem is one ConfigError naming the file."""
+    where = f"model.path = {str(path)!r}"
+    if not path.is_dir():
+        raise ConfigError(f"{where} is a file, not a model directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        held = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+        raise ConfigError(f"{where} has no config.json: not a Hugging Face model directory "
+                          f"(it holds: {held})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: config.json cannot be read: {e}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"{where}: config.json has no model_type")
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    _check_vocabulary(path, config, where)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards and not list(path.glob("pytorch_model*.bin")):
+        raise ConfigError(f"{where} has no weights (no *.safetensors or pytorch_model*.bin)")
+    for shard in shards:
+        problem = _safetensors_problem(shard)
+        if problem:
+            raise ConfigError(f"{where}: {shard.name} {problem}")
+
+
+def _check_vocabulary(path: Path, config: dict, where: str) -> None:
+    """The tokenizer loads, and its ids fit the model's embedding (an id past it crashes the engine).
+    A tokenizer.json is read by `tokenizers` alone (milliseconds); others by transformers."""
+    try:
+        if (path / "tokenizer.json").exists():
+            from tokenizers import Tokenizer
+
+            tokens = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokens = len(AutoTokenizer.from_pretrained(path))
+    except Exception as e:
+        raise ConfigError(f"{where}: its tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if size and tokens > size:
+        raise ConfigError(f"{where}: the tokenizer has {tokens} tokens but the model's embedding only "
+                          f"{size} (config.json vocab_size): a tokenizer from another model?")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be complete (truncated, not safetensors), from its header alone."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                return f"is truncated or not a safetensors file ({size} bytes; its header claims {length})"
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError):
+        return f"is not a readable safetensors file ({size} bytes)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        return f"is truncated: {size} bytes, its header needs {8 + length + end}"
+    return None

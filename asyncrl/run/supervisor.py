@@ -1,0 +1,226 @@
+"""The roles as processes: start one, stop them, and the supervisor that keeps them alive.
+
+Each role is `python -m <module> RUN_DIR` with its own thread count and log file: the trainer, the
+orchestrator and inference replicas `inference-0` ... `inference-{N-1}` (inference.replicas). With
+run.launcher = "ray" the trainer and the replicas run inside Ray actors (asyncrl/cluster/ray_roles.py) and are
+supervised the same way. A role that dies or hangs is restarted and picks up from the run directory
+(the trainer from its last checkpoint, the orchestrator from the ledger, a replica from the version
+the orchestrator has it load); one that keeps dying stops the run with its last log lines.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.files import poll, write_atomic
+from asyncrl.inference import replica
+from asyncrl.observe.events import EventLog
+from asyncrl.run import heartbeat
+from asyncrl.run.processes import RunError, role_env, spawn, start_role, start_vllm, stop, tail
+from asyncrl.run.role import FATAL_EXIT, read_failure
+from asyncrl.rundir import RunDir
+
+
+def role_names(cfg: Config) -> list[str]:
+    return [replica.role(i) for i in range(cfg.inference.replicas)] + ["trainer", "orchestrator"]
+
+
+def wait_for_replicas(supervisor: "Supervisor", deadline: float) -> None:
+    """Until every replica has written its URL: one that exits first stops the run with its log."""
+    replicas = {r: p for r, p in supervisor.procs.items() if replica.index_of(r) is not None}
+
+    def started() -> bool:
+        for role, proc in replicas.items():
+            if proc.poll() is not None:
+                raise RunError(f"the {role} process exited with code {proc.returncode}; last lines of its "
+                               f"log ({supervisor.log_path(role)}):\n{supervisor.tail(role)}")
+            supervisor.sync_info(role)
+        return all(replica.read_info(supervisor.run_dir, replica.index_of(r)) for r in replicas)
+
+    try:
+        poll(started, deadline, "")
+    except TimeoutError:
+        late = [r for r in replicas if not replica.read_info(supervisor.run_dir, replica.index_of(r))]
+        raise RunError(f"{', '.join(late)} did not start within {deadline:.0f}s (timeouts.startup); see "
+                       + ", ".join(str(supervisor.log_path(r)) for r in late)) from None
+
+
+class Supervisor:
+    """Starts the roles and keeps them alive: a role that exits with an error, or stops beating
+    for timeouts.heartbeat, is restarted (each role resumes from the run directory on its own);
+    past run.max_restarts restarts of one role the run stops with that role's last log lines."""
+
+    def __init__(self, cfg: Config, run_dir: Path, log=print, hosts=None):
+        """`hosts`: where the trainer and the replicas run under run.launcher = "ray" (a RayHosts of
+        asyncrl/cluster/ray_roles.py: place(), start(role, threads, env) -> a process-like handle,
+        close()); None: local processes."""
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.procs: dict = {}  # role -> subprocess.Popen, or a ray_roles.RemoteRole under Ray
+        self.restarts = {role: 0 for role in role_names(cfg)}
+        self.started: dict[str, float] = {}
+        self.events = EventLog(run_dir, "supervisor")
+        self.spare: subprocess.Popen | None = None  # asyncrl/run/standby.py, see run.warm_spare
+        self.spare_failed = False
+        self.hosts = hosts
+
+    def _vllm(self, role: str) -> bool:
+        return replica.index_of(role) is not None and self.cfg.inference.engine == "vllm"
+
+    def start(self, role: str) -> None:
+        index = replica.index_of(role)
+        kind = "trainer" if index is None else "inference"
+        threads = 1 if role == "orchestrator" else self.cfg.role_threads(kind)
+        env = {}
+        if index is not None:
+            info = replica.read_info(self.run_dir, index) or {}
+            env = {"ASYNCRL_INFERENCE_PORT": str(_port(info.get("url"))),
+                   "ASYNCRL_INCARNATION": str(self.restarts[role])}
+        if self._vllm(role):
+            port = int(env["ASYNCRL_INFERENCE_PORT"])
+            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, index, port)
+        elif self.hosts is not None and role != "orchestrator":
+            self.procs[role] = self.hosts.start(role, threads, env)
+        elif self.spare is not None and self.spare.poll() is None:
+            order = {
+                "role": role,
+                "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+            }
+            self.spare.stdin.write(json.dumps(order) + "\n")
+            self.spare.stdin.close()
+            self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
+        else:
+            self.procs[role] = start_role(role, self.run_dir, threads, **env)
+        self.started[role] = time.monotonic()
+        pids = {r: p.pid for r, p in self.procs.items()}
+        write_atomic(RunDir(self.run_dir).pids, json.dumps(pids))
+
+    def start_all(self) -> None:
+        # (from an earlier launch) written anew once bound
+        shutil.rmtree(RunDir(self.run_dir).replicas, ignore_errors=True)
+        RunDir(self.run_dir).trainer_info.unlink(missing_ok=True)
+        RunDir(self.run_dir).failure.unlink(missing_ok=True)
+        shutil.rmtree(RunDir(self.run_dir).heartbeats, ignore_errors=True)
+        if self.hosts is not None:
+            self.hosts.place()
+        for role in role_names(self.cfg)[:-2]:
+            self.start(role)
+        wait_for_replicas(self, self.cfg.timeouts.startup)
+        self.start("trainer")
+        self.sync_info("trainer")
+        self.start("orchestrator")
+
+    def sync_info(self, role: str) -> None:
+        """A role under Ray says where it is on its own node (a replica its URL, the trainer its directory
+        and host): copy that here, for the orchestrator."""
+        if self.hosts is None or role == "orchestrator" or self._vllm(role):
+            return
+        index = replica.index_of(role)
+        self.procs[role].sync_info(RunDir(self.run_dir).trainer_info if index is None
+                                   else RunDir(self.run_dir).replica(index))
+
+    def log_path(self, role: str) -> Path:
+        return RunDir(self.run_dir).log(role)
+
+    def tail(self, role: str) -> str:
+        proc = self.procs.get(role)
+        return proc.tail() if hasattr(proc, "tail") else tail(self.log_path(role))
+
+    def _start_spare_when_settled(self) -> None:
+        """A spare importing torch slows every role's start on a small machine: it waits for their first
+        beats."""
+        if (
+            self.spare is not None and self.spare.poll() is not None
+        ):  # it died on its own: go cold from now on
+            self.log(
+                f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
+                "restarts will start cold"
+            )
+            self.spare, self.spare_failed = None, True
+        beating = [r for r in self.procs if not self._vllm(r)]
+        wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
+                                                         and any(self.restarts.values()))
+        if (
+            wanted
+            and not self.spare_failed
+            and self.spare is None
+            and all(heartbeat.age(self.run_dir, r) is not None for r in beating)
+        ):
+            log = open(RunDir(self.run_dir).log("standby"), "a")
+            self.spare = spawn([sys.executable, "-m", "asyncrl.run.standby", str(self.run_dir)],
+                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env=role_env(1))
+
+    def finished(self) -> bool:
+        """Check every role once; True when the trainer and the orchestrator have both completed."""
+        if self.hosts is None:
+            self._start_spare_when_settled()
+        for role, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code == 0 and replica.index_of(role) is None:
+                continue
+            if code is None:
+                self.sync_info(role)
+            if code == FATAL_EXIT:  # a restart would meet the same error: the run ends with its sentence
+                failure = read_failure(self.run_dir) or {"error": f"exited with code {code}"}
+                self.events.write("role_failed", target=role, why=failure["error"])
+                raise RunError(f"the {role} stopped the run: {failure['error']} (log: {self.log_path(role)})")
+            if code is not None:
+                self._restart(role, f"exited with code {code}")
+            elif (stuck := self._stuck(role)) is not None:
+                proc.kill()
+                proc.wait()
+                self._restart(role, stuck)
+        return all(self.procs[r].poll() == 0 for r in ("trainer", "orchestrator"))
+
+    def _stuck(self, role: str) -> str | None:
+        """Why a live role counts as stuck: no first beat within timeouts.startup, or silent for
+        timeouts.heartbeat."""
+        if self._vllm(role):
+            return None  # vLLM beats no file of ours; its process and /health are what we have
+        proc = self.procs[role]
+        silent = proc.heartbeat_age() if hasattr(proc, "heartbeat_age") else heartbeat.age(self.run_dir, role)
+        if silent is None:
+            waited = time.monotonic() - self.started[role]
+            return (
+                f"did not start within {waited:.0f}s (timeouts.startup); killed"
+                if waited > self.cfg.timeouts.startup
+                else None
+            )
+        return (
+            f"no heartbeat for {silent:.0f}s (timeouts.heartbeat); killed"
+            if silent > self.cfg.timeouts.heartbeat
+            else None
+        )
+
+    def _restart(self, role: str, why: str) -> None:
+        if self.restarts[role] >= self.cfg.run.max_restarts:
+            self.events.write("role_failed", target=role, why=why, restarts=self.restarts[role])
+            raise RunError(f"the {role} {why} after {self.restarts[role]} restarts (run.max_restarts); "
+                           f"last lines of {self.log_path(role)}:\n{self.tail(role)}")
+        self.restarts[role] += 1
+        self.log(
+            f"supervisor: the {role} {why}; restarting it ({self.restarts[role]}/{self.cfg.run.max_restarts})"
+        )
+        self.events.write("role_restarted", target=role, why=why, restart=self.restarts[role])
+        RunDir(self.run_dir).heartbeat(role).unlink(missing_ok=True)
+        self.start(role)
+
+    def stop(self) -> None:
+        try:
+            stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
+        finally:
+            if self.hosts is not None:
+                self.hosts.close()
+
+
+def _port(url: str | None) -> int:
+    """The port a restarted replica asks for: its predecessor's (the orchestrator keeps the URL)."""
+    try:
+        return int(url.rsplit(":", 1)[1])
+    except (AttributeError, ValueError, IndexError):
+        return 0
