@@ -197,7 +197,7 @@ class RoleHost:
         data = ray.get(refs[0])
         if _sha256(data) != digest:
             raise ValueError(f"version {version} ({kind}) arrived with another sha256 than it was sent with")
-        path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
+        path = (RunDir(self.dir).patch if kind == "patch" else RunDir(self.dir).weights_file)(version)
         path.parent.mkdir(exist_ok=True)
         write_atomic(path, data)
         weights.prune(self.dir, version, KEEP_STAGED)
@@ -237,7 +237,7 @@ class RoleHost:
         import ray
 
         if (version, kind) not in self.published:
-            path = (weights.patch_file if kind == "patch" else weights.weights_file)(self.dir, version)
+            path = (RunDir(self.dir).patch if kind == "patch" else RunDir(self.dir).weights_file)(version)
             data = path.read_bytes()
             for old in [k for k in self.published if k[0] < version - KEEP_STAGED]:
                 del self.published[old]
