@@ -100,3 +100,36 @@ def test_an_event_that_keeps_happening_is_counted_not_repeated(tmp_path):
     counts = [e["count"] for e in events if e["event"] == "repeated"]
     assert counts == [REPEATS + 1, 10 * REPEATS, 100 * REPEATS, 1000 * REPEATS]
     assert (tmp_path / "events.jsonl").stat().st_size < 100_000
+
+
+def _audit_work(run_dir, steps: int, monkeypatch) -> int:
+    """SQLite virtual-machine instructions (in thousands) the audit of a `steps`-step ledger runs: a count,
+    the same on every machine and every run."""
+    run_dir.mkdir()
+    led = Ledger(run_dir)
+    for step in range(steps):
+        prompts = [4 * step + k for k in range(4)]
+        led.dispatch(prompts)
+        for p in prompts:
+            led.finish(p, [traj(p, k, step) for k in range(4)], [])
+        led.batch(step, [t for g in led.ready_groups() for t in g], {})
+    led.close()
+    work = [0]
+    connect = sqlite3.connect
+
+    def counted(*args, **kwargs):
+        db = connect(*args, **kwargs)
+        db.set_progress_handler(lambda: work.__setitem__(0, work[0] + 1), 1000)
+        return db
+
+    monkeypatch.setattr(sqlite3, "connect", counted)
+    assert audit(run_dir, max_staleness=1)["problems"] == []
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return work[0]
+
+
+def test_the_audit_grows_with_the_run_not_its_square(tmp_path, monkeypatch):
+    """A correlated query per prompt (or per step) made a 1000-step audit take twice the run."""
+    small = _audit_work(tmp_path / "a", 100, monkeypatch)
+    large = _audit_work(tmp_path / "b", 400, monkeypatch)
+    assert large < 6 * small, (small, large)  # linear (n log n): ~4x; the per-prompt scans gave ~16x
