@@ -127,7 +127,7 @@ def main() -> None:
         "agent": {"path": f"{Path(__file__).resolve()}:bench_agent", "chat_template": "tiny",
                   "max_concurrent_episodes": args.concurrency, "max_turns": 4, "max_episode_tokens": 200},
         "inference": {"threads": 1}})
-    check_inputs(cfg)
+    cfg = check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     server = start_role("inference-0", run_dir, threads=1)
     results = []

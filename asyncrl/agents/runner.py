@@ -23,6 +23,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from asyncrl.agents.chat import PolicySession, Renderer
 from asyncrl.agents.env import Environment, env_agent
@@ -30,7 +31,7 @@ from asyncrl.agents.episode import Episode, EpisodeAborted, Limits
 from asyncrl.agents.tools import Tool, ToolResult, find_tool
 from asyncrl.config import ConfigError
 from asyncrl.inference.client import InferenceUnavailable
-from asyncrl.plugins import import_object
+from asyncrl.plugins import import_object, read_user_text
 from asyncrl.policy.model import TINY_CHAT_TEMPLATE
 from asyncrl.rewards.pool import VerifierError
 from asyncrl.rewards.tasks import as_number
@@ -58,12 +59,9 @@ def chat_template(name: str | None) -> str | None:
         return None
     if name == "tiny":
         return TINY_CHAT_TEMPLATE
-    try:
-        return open(name).read()
-    except OSError as e:
-        raise ConfigError(
-            f'agent.chat_template = {name!r} is neither "tiny" nor a readable jinja file: {e}'
-        ) from None
+    if not Path(name).is_file():
+        raise ConfigError(f'agent.chat_template = {name!r} is neither "tiny" nor a jinja file')
+    return read_user_text(name, "agent.chat_template")
 
 
 class EpisodeQueue:

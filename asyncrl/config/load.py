@@ -28,6 +28,7 @@ from asyncrl.config.sections import (
 )
 from asyncrl.errors import ConfigError
 from asyncrl.files import write_atomic
+from asyncrl.plugins import read_user_text
 from asyncrl.rundir import RunDir
 
 
@@ -223,7 +224,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(read_user_text(path, "config file"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     if overrides:

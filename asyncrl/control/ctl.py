@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,10 +27,15 @@ DEADLINE = 10.0  # seconds for the job to answer
 def request(run_dir: str | Path, method: str, path: str, body: dict | None = None) -> dict:
     """The control API's answer; ConfigError saying why there is none (not running, refused, silent)."""
     where = RunDir(run_dir).control
-    if not where.exists():
-        raise ConfigError(f"{run_dir}: no job is running there (no {where.name}: the orchestrator writes it "
-                          "while it runs)")
-    url = json.loads(where.read_text())["url"]
+    try:
+        address = json.loads(where.read_text())
+    except FileNotFoundError:
+        raise ConfigError(_not_running(run_dir)) from None
+    except ValueError:
+        raise ConfigError(f"{where} is not the control API's address (not JSON)") from None
+    if not _alive(address.get("pid")):  # (a run killed with its orchestrator leaves the file behind)
+        raise ConfigError(_not_running(run_dir))
+    url = address["url"]
     token = read_token(run_dir)
     if token is None:
         raise ConfigError(f"{run_dir}: the run has no token file; the control API needs it")
@@ -46,6 +52,29 @@ def request(run_dir: str | Path, method: str, path: str, body: dict | None = Non
         reason = getattr(e, "reason", e)
         raise ConfigError(f"the job's control API at {url} did not answer ({reason}); the orchestrator may "
                           "be restarting (try again) or the run has ended") from None
+
+
+def _not_running(run_dir: str | Path) -> str:
+    """Why there is nothing to steer in `run_dir`: it is not a run, it ended, or no job runs it now."""
+    run = RunDir(run_dir)
+    if not run.config.exists():
+        return f"{run_dir} is not a run directory (no {run.config.name})"
+    if run.summary.exists():
+        return f"{run_dir}: the run has ended (its report: {run.report_md}); there is no job to steer"
+    return (f"{run_dir}: no job is running there (the orchestrator writes {run.control.name} while it runs); "
+            f"`asyncrl train --resume {run_dir}` continues a stopped run")
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return True  # (an address without a pid: ask it)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard")

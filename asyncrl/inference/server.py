@@ -43,7 +43,7 @@ from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.policy.model import load_policy
 from asyncrl.run import event_loop
 from asyncrl.run.heartbeat import Heartbeat
-from asyncrl.run.role import configure_logging
+from asyncrl.run.role import FatalError, run_role
 from asyncrl.rundir import RunDir
 
 log = logging.getLogger("asyncrl.inference")
@@ -145,6 +145,9 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
             prompts, params, n = parse_completion_request(body, vocab, max_prompt_tokens)
         except (BadRequest, json.JSONDecodeError) as e:
             return _error(400, str(e))
+        if len(prompts) > cfg.inference.max_waiting_sequences:  # (a 429 would be retried forever)
+            return _error(400, f"{len(prompts)} sequences can never wait in this server's queue "
+                               f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences})")
         if worker.waiting() + len(prompts) > cfg.inference.max_waiting_sequences:
             return _error(
                 429,
@@ -259,12 +262,16 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
     return app
 
 
-async def _bind(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
-    """A restarted server takes its predecessor's port (clients keep their URL) when it is free."""
+async def _bind(runner: web.AppRunner, host: str, port: int, asked: bool) -> web.TCPSite:
+    """A restarted server takes its predecessor's port (clients keep their URL) when it is free. A port
+    the user `asked` for (inference.port) is that port or none: FatalError."""
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-    except OSError:
+    except OSError as e:
+        if asked:
+            raise FatalError(f"inference.port: port {port} on {host} cannot be bound ({e.strerror or e}); "
+                             "choose free ports (replica i takes port + i), or 0 to pick them") from None
         if port == 0:
             raise
         log.warning(f"inference: port {port} is taken; picking a free one")
@@ -296,7 +303,7 @@ async def serve(run_dir: Path, index: int = 0) -> None:
     await runner.setup()
     previous = int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
     port = cfg.inference.port + index if cfg.inference.port else previous
-    site = await _bind(runner, cfg.inference.host, port)
+    site = await _bind(runner, cfg.inference.host, port, asked=bool(cfg.inference.port))
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
     RunDir(run_dir).replica(index).parent.mkdir(exist_ok=True)
@@ -306,5 +313,5 @@ async def serve(run_dir: Path, index: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    configure_logging(sys.argv[1])
-    event_loop.run(serve(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    index = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    run_role(replica.role(index), sys.argv[1], lambda: event_loop.run(serve(Path(sys.argv[1]), index)))

@@ -10,7 +10,7 @@ import asyncio
 
 from asyncrl.orchestrator.rollout import all_or_none
 from asyncrl.rewards.pool import VerifierError
-from asyncrl.rewards.tasks import BadTaskRow, eval_entries
+from asyncrl.rewards.tasks import BadTaskRow, checked_prompt, eval_entries
 from asyncrl.run.role import ContractError
 
 EVAL_CHUNK = 64  # held-out prompts per request
@@ -28,14 +28,13 @@ class Evaluator:
         if self.items is None:
             entries, prompts = [], []
             for entry in eval_entries(self.tasks, self.cfg.task.eval_size):
-                entry = {**entry, "prompt": self.tasks.prompt(entry)}
                 try:
-                    prompt = self.tasks.prompt_ids(entry, self.tokenizer)
+                    entry, prompt = checked_prompt(self.tasks, entry, self.tokenizer,
+                                                   self.cfg.inference.max_prompt_tokens)
                 except BadTaskRow:  # left out, as in training (the training side reports its rows)
                     continue
-                if len(prompt) <= self.cfg.inference.max_prompt_tokens:  # (a longer one too)
-                    entries.append(entry)
-                    prompts.append(prompt)
+                entries.append(entry)
+                prompts.append(prompt)
             self.items = entries, prompts
         return self.items
 

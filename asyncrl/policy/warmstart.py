@@ -7,16 +7,19 @@ the room RL has to climb. Held-out prompts are never shown (task.holdout).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from asyncrl.agents.chat import Renderer, conversation_segments
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
+from asyncrl.config.sections import InferenceConfig
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.plugins import import_object
 from asyncrl.policy.model import (
@@ -26,23 +29,62 @@ from asyncrl.policy.model import (
     chatml_corpus,
     load_policy,
 )
-from asyncrl.rewards.tasks import BadTaskRow, TaskSource, eval_entries, load_tasks
+from asyncrl.rewards.tasks import (
+    MAX_CHARS_PER_TOKEN,
+    BadTaskRow,
+    TaskSource,
+    checked_prompt,
+    eval_entries,
+    load_tasks,
+    prompt_text,
+    servable_prompt,
+)
 
 CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
 
 
+MAX_BAD_ROWS = 1000  # rows in a row the warm start cannot train on before it stops, naming the first
+
+
 def _task_example(
-    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random
+    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random, max_prompt: int, context: int
 ) -> tuple[list[int], list[int]]:
-    """(prompt + answer + eos ids, labels only on the answer and eos)."""
-    entry = tasks.item(index)
-    prompt = tasks.prompt_ids(entry, tokenizer)
+    """(prompt + answer + eos ids, labels only on the answer and eos); BadTaskRow for a row RL would
+    drop (servable_prompt), or one whose answer takes the example past the model's context."""
+    entry, prompt = servable_prompt(tasks, index, tokenizer, max_prompt)
     answer = teacher(entry, rng) if teacher else entry["answer"]
+    if len(answer) > MAX_CHARS_PER_TOKEN * context:
+        raise BadTaskRow(f"{tasks.where(entry, index)}: the answer has {len(answer)} characters")
     answer = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    _check_fits(len(prompt) + len(answer), context, tasks.where(entry, index))
     return prompt + answer, [-100] * len(prompt) + answer
 
 
-def _demo_example(demos, renderer: Renderer, rng: random.Random) -> tuple[list[int], list[int]]:
+def _check_fits(tokens: int, context: int, where: str) -> None:
+    if tokens > context:
+        raise BadTaskRow(f"{where}: the example has {tokens} tokens; the model's context holds {context}")
+
+
+def _examples(make, log) -> Callable[[], tuple[list[int], list[int]]]:
+    """Examples from `make`, skipping the rows it refuses (the first said once); one that refuses
+    MAX_BAD_ROWS in a row stops the warm start with the first reason."""
+    said: set[str] = set()
+
+    def example() -> tuple[list[int], list[int]]:
+        first = None
+        for _ in range(MAX_BAD_ROWS):
+            try:
+                return make()
+            except BadTaskRow as e:
+                first = first or str(e)
+                if not said:
+                    log(f"warmstart: skipping rows RL would drop, e.g. {e}")
+                said.add(str(e))
+        raise ConfigError(f"warmstart: {MAX_BAD_ROWS} rows in a row cannot be trained on; the first: {first}")
+    return example
+
+
+def _demo_example(demos, renderer: Renderer, rng: random.Random, context: int) -> tuple[list[int], list[int]]:
     """(a demonstration conversation's ids, labels only on the policy's turns)."""
     demo = demos(rng)
     ids, labels = [], []
@@ -50,6 +92,7 @@ def _demo_example(demos, renderer: Renderer, rng: random.Random) -> tuple[list[i
         piece = renderer.encode(text)
         ids += piece
         labels += piece if is_policy else [-100] * len(piece)
+    _check_fits(len(ids), context, "warmstart.demos: a conversation")
     return ids, labels
 
 
@@ -65,13 +108,20 @@ def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
     return ids, lab
 
 
-def greedy_accuracy(model, tokenizer, tasks: TaskSource, size: int, max_tokens: int = 8) -> float:
-    """Fraction of `size` held-out items (distinct prompts) solved (reward 1) by greedy decoding."""
-    entries = eval_entries(tasks, size)
-    if not entries:
+def greedy_accuracy(model, tokenizer, tasks: TaskSource, size: int, max_tokens: int = 8,
+                    max_prompt_tokens: int = InferenceConfig().max_prompt_tokens) -> float:
+    """Fraction of `size` held-out items (distinct prompts) solved (reward 1) by greedy decoding; the
+    rows the run's evaluation leaves out (servable_prompt's check) are left out here too."""
+    checked = []
+    for entry in eval_entries(tasks, size):
+        try:
+            checked.append(checked_prompt(tasks, entry, tokenizer, max_prompt_tokens))
+        except BadTaskRow:
+            continue
+    if not checked:
         return float("nan")
+    entries, prompts = zip(*checked)
     engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    prompts = [tasks.prompt_ids(e, tokenizer) for e in entries]
     samples = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     return sum(tasks.score(t, e) >= 1.0 for t, e in zip(texts, entries)) / len(entries)
@@ -89,7 +139,11 @@ def build_tokenizer(cfg: Config, tasks: TaskSource, demos):
         for index in range(CORPUS_ITEMS):
             try:
                 entry = tasks.item(index)
-                texts.append(f"{tasks.prompt(entry)} {entry['answer']}")
+                limit = cfg.inference.max_prompt_tokens
+                text = f"{prompt_text(tasks, entry, limit, index)} {entry['answer']}"
+                if len(text) > 2 * MAX_CHARS_PER_TOKEN * limit:  # (an answer no example could hold)
+                    continue
+                texts.append(text)
             except BadTaskRow:
                 continue
     return build_bpe_tokenizer(chatml_corpus(texts), cfg.warmstart.vocab_size)
@@ -111,6 +165,11 @@ def recipe(cfg: Config) -> dict:
     return cfg.model_dump(mode="json", include={
         "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"} - unset,
         "task": {"name", "params", "prompt_format", "chat", "holdout"}})
+
+
+def recipe_hash(cfg: Config) -> str:
+    """A short name for the recipe: the default policy's directory gives way to models/tiny-<it>."""
+    return hashlib.sha256(json.dumps(recipe(cfg), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def is_current(cfg: Config, model_dir: str | Path) -> bool:
@@ -158,14 +217,11 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     n_params = sum(p.numel() for p in model.parameters())
     renderer = Renderer(tokenizer)
 
-    def example() -> tuple[list[int], list[int]]:
-        if demos:
-            return _demo_example(demos, renderer, rng)
-        while True:
-            try:
-                return _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng)
-            except BadTaskRow:
-                continue
+    context = model.config.max_position_embeddings
+    example = _examples(
+        (lambda: _demo_example(demos, renderer, rng, context)) if demos else
+        (lambda: _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng,
+                               cfg.inference.max_prompt_tokens, context)), log)
 
     source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
     built = ws.base or f"{ws.tokenizer} tokenizer"
@@ -198,7 +254,8 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     accuracy = (
         float("nan")
         if demos
-        else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200, cfg.rollout.max_tokens)
+        else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200, cfg.rollout.max_tokens,
+                             cfg.inference.max_prompt_tokens)
     )
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,

@@ -24,11 +24,16 @@ from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.config.sections import TaskConfig
-from asyncrl.plugins import import_object
+from asyncrl.plugins import import_object, read_user_text
 from asyncrl.run.role import ContractError
 
 _SIZE = 2**62  # reasoning-gym generates item i on demand; the size only bounds the index
 _STRIDE = 1_000_000_007  # between a split's attempts at one index: a prime, so no index pattern repeats
+
+
+# far more characters than any token spans: a prompt longer than this many per allowed token is refused
+# without encoding it (a 10 MB row is not tokenized to learn that it is too long)
+MAX_CHARS_PER_TOKEN = 1000
 
 
 class BadTaskRow(ValueError):
@@ -39,12 +44,8 @@ class JsonlRows:
     """Rows of a JSONL file; a malformed row is reported when it is asked for, not at load."""
 
     def __init__(self, path: str):
-        try:
-            self.lines = [line for line in open(path).read().splitlines() if line.strip()]
-        except OSError as e:
-            raise ConfigError(
-                f"task file {path!r} (task.path / task.eval_path) cannot be read: {e}"
-            ) from None
+        text = read_user_text(path, "task file (task.path / task.eval_path)")
+        self.lines = [line for line in text.splitlines() if line.strip()]
         if not self.lines:
             raise ConfigError(f"task file {path!r} (task.path / task.eval_path) has no rows")
         self.path = path
@@ -194,9 +195,26 @@ class TaskSource:
 
 def servable_prompt(tasks, index: int, tokenizer, limit: int) -> tuple[dict, list[int]]:
     """(item `index` with its "prompt" text, the prompt's token ids); BadTaskRow if the item is
-    malformed, empty, or longer than `limit` (inference.max_prompt_tokens) tokens."""
-    entry = tasks.item(index)
-    entry = {**entry, "prompt": tasks.prompt(entry)}  # what an agent is asked
+    malformed, empty, or longer than `limit` (inference.max_prompt_tokens) tokens. The one row check
+    of every reader of a task: training, evaluation, the warm start, the thread planner."""
+    return checked_prompt(tasks, tasks.item(index), tokenizer, limit, index)
+
+
+def prompt_text(tasks, entry: dict, limit: int, index: int | None = None) -> str:
+    """The item's prompt text; BadTaskRow if it is too long for `limit` tokens whatever the tokenizer
+    (checked without encoding it: for readers that have no tokenizer yet, and so that a huge row
+    costs nothing)."""
+    text = tasks.prompt(entry)
+    if len(text) > MAX_CHARS_PER_TOKEN * limit:
+        raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(text)} characters, more than "
+                         f"inference.max_prompt_tokens = {limit} tokens can hold")
+    return text
+
+
+def checked_prompt(tasks, entry: dict, tokenizer, limit: int, index: int | None = None
+                   ) -> tuple[dict, list[int]]:
+    """servable_prompt for an item already read (`index`: where it came from, for the message)."""
+    entry = {**entry, "prompt": prompt_text(tasks, entry, limit, index)}  # what an agent is asked
     prompt = tasks.prompt_ids(entry, tokenizer)
     if len(prompt) > limit:
         raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(prompt)} tokens; "

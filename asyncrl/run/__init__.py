@@ -4,6 +4,8 @@ launcher      `asyncrl train`: checks, starts the roles, waits for the end, writ
 supervisor    the local role processes: restart, heartbeats, deadlines, no orphans
 processes     spawning one role process (its command, environment and log)
 preflight     every input checked before any role starts
+sizes         every size checked against what it must fit (context, queue, memory)
+memory        whether a role died of memory (peak RSS, the kernel's OOM kills)
 resume_check  what a resumed run must agree with
 lock          one launcher per run directory
 standby       the warm spare trainer that takes over a dead one

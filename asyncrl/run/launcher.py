@@ -23,6 +23,7 @@ from asyncrl.config import (
 from asyncrl.control.access import ensure_token
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.progress import Progress
+from asyncrl.plugins import check_directory
 from asyncrl.run.lock import run_lock
 from asyncrl.run.preflight import check_inputs
 from asyncrl.run.processes import RunError
@@ -37,6 +38,7 @@ __all__ = ["RunError", "Stopped", "check_inputs", "prepare_run_dir", "resume", "
 def check_run_dir(cfg: Config) -> None:
     """Whether the run may use its directory: asked before any input check, warm start or planning."""
     run_dir = cfg.run_dir
+    check_directory(run_dir, "the run directory (run.root / run.name)")
     if run_dir.exists():
         if not cfg.run.overwrite:
             raise ConfigError(
@@ -109,6 +111,7 @@ def launch(cfg: Config, run_dir: Path, log=print, fresh: bool = False) -> None:
         try:
             supervisor.stop()
         finally:
+            RunDir(run_dir).control.unlink(missing_ok=True)  # (an orchestrator killed in the stop leaves it)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
@@ -128,7 +131,7 @@ def train(cfg: Config, log=print) -> Path:
 
 def _train(cfg: Config, log) -> Path:
     check_run_dir(cfg)
-    check_inputs(cfg, log)
+    cfg = check_inputs(cfg, log)
     check_placement(cfg)
     cfg, plan = plan_threads(cfg, log)
     run_dir = prepare_run_dir(cfg)
@@ -173,7 +176,7 @@ def _resume(run_dir: Path, overrides: list[str] | None, force: bool, log) -> Pat
                           + "\n  ".join(meaning) + "\npass --force to resume anyway")
     for line in meaning + harmless:
         log(f"resume: {line}")
-    check_inputs(new, log)
+    new = check_inputs(new, log)
     check_placement(new)
     check_resumable(run_dir, log)
     save_config(new, RunDir(run_dir).config)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from asyncrl.config import ConfigError
+from asyncrl.plugins import check_directory
 from asyncrl.rundir import RunDir
 
 
@@ -19,6 +20,7 @@ from asyncrl.rundir import RunDir
 def run_lock(run_dir: str | Path) -> Iterator[Path]:
     run_dir = Path(run_dir)
     path = RunDir(run_dir).lock
+    check_directory(run_dir.parent, "run.root")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by the roles)

@@ -3,36 +3,29 @@ one sentence naming it, not minutes later inside a role that restarts into the s
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.sections import ModelConfig
 from asyncrl.observe.sinks import check_installed
+from asyncrl.run.sizes import check_sizes
 
 DEFAULT_MODEL = ModelConfig().path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def check_inputs(cfg: Config, log=print) -> None:
-    """Fail before any process starts: model, task and objective must all resolve."""
+def check_inputs(cfg: Config, log=print) -> Config:
+    """Fail before any process starts: model, task and objective must all resolve. Returns the config
+    with the policy the run will use (a tiny one built here if it is missing)."""
     from asyncrl.objectives import get_objective
     from asyncrl.rewards.tasks import load_tasks
 
     load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
     buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
     if buildable:
-        from asyncrl.policy.warmstart import is_current, warmstart
-
-        if not Path(cfg.model.path).exists():
-            log(f"{cfg.model.path} is missing: building the tiny policy first")
-            warmstart(cfg, cfg.model.path, log=log)
-        elif not is_current(cfg, cfg.model.path):
-            log(
-                f"{cfg.model.path} was warm-started by another recipe (see its warmstart.json): "
-                "building it again"
-            )
-            warmstart(cfg, cfg.model.path, log=log)
+        cfg = _tiny_policy(cfg, log)
     elif not Path(cfg.model.path).exists():
         _check_hub_model(cfg.model.path)
     if Path(cfg.model.path).exists():
@@ -47,6 +40,51 @@ def check_inputs(cfg: Config, log=print) -> None:
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
     check_installed(cfg)  # (the metric sinks asked for)
+    check_sizes(cfg)
+    _check_ports(cfg)
+    return cfg
+
+
+def _check_ports(cfg: Config) -> None:
+    """The ports the user asked for (inference.port: replica i takes port + i) are free here. (Under Ray
+    the replicas bind on the nodes they land on, and say so there.)"""
+    first, host = cfg.inference.port, cfg.inference.host
+    if not first or cfg.run.launcher == "ray":
+        return
+    if first + cfg.inference.replicas - 1 > 65535:
+        raise ConfigError(f"inference.port = {first} with {cfg.inference.replicas} replicas runs past port "
+                          "65535 (replica i takes port + i)")
+    for index in range(cfg.inference.replicas):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server binds)
+            try:
+                probe.bind((host, first + index))
+            except OSError as e:
+                raise ConfigError(f"inference.port = {first}: port {first + index} (replica {index}) on "
+                                  f"{host} cannot be bound ({e.strerror or e}); choose free ports, or 0 to "
+                                  "pick them") from None
+
+
+def _tiny_policy(cfg: Config, log) -> Config:
+    """The config with the tiny policy of its warm-start recipe, built if missing. A policy another
+    recipe built is never overwritten (a user may rely on it): the default path gives way to
+    models/tiny-<recipe hash>, and an explicit path is refused."""
+    from asyncrl.policy.warmstart import is_current, recipe_hash, warmstart
+
+    path = Path(cfg.model.path)
+    if path.exists() and not is_current(cfg, path):
+        if cfg.model.path != DEFAULT_MODEL:
+            raise ConfigError(f"model.path = {cfg.model.path!r} was warm-started by another recipe (see its "
+                              "warmstart.json) and is not overwritten: pass a new --model.path to build this "
+                              "recipe's policy there")
+        path = path.parent / f"tiny-{recipe_hash(cfg)}"
+        log(f"{DEFAULT_MODEL} was warm-started by another recipe (see its warmstart.json): this run's "
+            f"policy is {path}")
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
+    if not path.exists() or not is_current(cfg, path):  # (a tiny-<hash> directory is asyncrl's own)
+        log(f"{path} is missing: building the tiny policy first")
+        warmstart(cfg, path, log=log)
+    return cfg
 
 
 def _check_prompts(cfg: Config, log) -> None:

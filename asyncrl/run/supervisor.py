@@ -21,6 +21,7 @@ from asyncrl.files import poll, write_atomic
 from asyncrl.inference import replica
 from asyncrl.observe.events import EventLog
 from asyncrl.run import heartbeat
+from asyncrl.run.memory import MemoryWatch
 from asyncrl.run.processes import RunError, role_env, spawn, start_role, start_vllm, stop, tail
 from asyncrl.run.role import FATAL_EXIT, read_failure
 from asyncrl.rundir import RunDir
@@ -67,6 +68,7 @@ class Supervisor:
         self.spare: subprocess.Popen | None = None  # asyncrl/run/standby.py, see run.warm_spare
         self.spare_failed = False
         self.hosts = hosts
+        self.memory = MemoryWatch()
 
     def _vllm(self, role: str) -> bool:
         return replica.index_of(role) is not None and self.cfg.inference.engine == "vllm"
@@ -159,6 +161,7 @@ class Supervisor:
         """Check every role once; True when the trainer and the orchestrator have both completed."""
         if self.hosts is None:
             self._start_spare_when_settled()
+        self.memory.sample(self.procs)
         for role, proc in list(self.procs.items()):
             code = proc.poll()
             if code == 0 and replica.index_of(role) is None:
@@ -169,6 +172,9 @@ class Supervisor:
                 failure = read_failure(self.run_dir) or {"error": f"exited with code {code}"}
                 self.events.write("role_failed", target=role, why=failure["error"])
                 raise RunError(f"the {role} stopped the run: {failure['error']} (log: {self.log_path(role)})")
+            if (oom := self.memory.verdict(role, code)) is not None:  # a restart would die the same way
+                self.events.write("role_failed", target=role, why=oom)
+                raise RunError(f"the {role} {oom}; {memory_drivers(self.cfg, role)}")
             if code is not None:
                 self._restart(role, f"exited with code {code}")
             elif (stuck := self._stuck(role)) is not None:
@@ -216,6 +222,25 @@ class Supervisor:
         finally:
             if self.hosts is not None:
                 self.hosts.close()
+
+
+def memory_drivers(cfg: Config, role: str) -> str:
+    """The settings that drive `role`'s memory, with their values: what to lower."""
+    from asyncrl.run.sizes import longest_sequence, minibatch_rows
+
+    tokens, what = longest_sequence(cfg)
+    if role == "trainer":
+        return (f"its memory grows with a minibatch's {minibatch_rows(cfg)} sequences "
+                f"(rollout.prompts_per_step x rollout.group_size / trainer.minibatches) of up to {tokens} "
+                f"tokens ({what}): lower those, raise trainer.minibatches, or set "
+                "trainer.activation_checkpointing = true")
+    if replica.index_of(role) is not None:
+        inf = cfg.inference
+        return (f"its memory grows with the running batch: inference.max_batch_sequences = "
+                f"{inf.max_batch_sequences}, inference.max_batch_tokens = {inf.max_batch_tokens} (rows x "
+                f"longest row), sequences of up to {tokens} tokens ({what}): lower those")
+    return (f"its memory grows with the groups in flight: rollout.max_concurrent_groups = "
+            f"{cfg.rollout.max_concurrent_groups} x rollout.group_size = {cfg.rollout.group_size}")
 
 
 def _port(url: str | None) -> int:

@@ -45,7 +45,7 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
 
     model, tokenizer = load_policy(cfg.model.path)
     tasks, ro = load_tasks(cfg.task), cfg.rollout
-    prompts = _first_prompts(tasks, tokenizer, ro.prompts_per_step)
+    prompts = _first_prompts(tasks, tokenizer, ro.prompts_per_step, cfg.inference.max_prompt_tokens)
     prompts = [p for p in prompts for _ in range(ro.group_size)]
     params = SamplingParams(ro.max_tokens, ro.temperature, ro.top_p)
     rates = {}
@@ -59,14 +59,14 @@ def measure(cfg, threads: list[int]) -> dict[int, dict[str, float]]:
     return rates
 
 
-def _first_prompts(tasks, tokenizer, count: int) -> list[list[int]]:
+def _first_prompts(tasks, tokenizer, count: int, limit: int) -> list[list[int]]:
     """The first `count` prompts the run will train on, bad rows skipped as the orchestrator skips them."""
-    from asyncrl.rewards.tasks import BadTaskRow
+    from asyncrl.rewards.tasks import BadTaskRow, servable_prompt
 
     prompts = []
     for index in range(20 * count):
         try:
-            prompts.append(tasks.prompt_ids(tasks.item(index), tokenizer))
+            prompts.append(servable_prompt(tasks, index, tokenizer, limit)[1])
         except BadTaskRow:
             continue
         if len(prompts) == count:

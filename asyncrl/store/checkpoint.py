@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from asyncrl.plugins import check_directory
 from asyncrl.rundir import CheckpointFiles, RunDir, checkpoint_dirs
 from asyncrl.transports import weights
 
@@ -45,6 +46,7 @@ def check_storage(path: Path, overwrite: bool, where: str = "") -> bool:
     where the driver sees the path, the trainer's Ray host on its own node: `where` names that node.)"""
     from asyncrl.config import ConfigError
 
+    check_directory(path, f"run.storage / run.name{where}")
     if not path.exists() or not any(path.iterdir()):
         return False
     if not {"checkpoints", "config.json"} & {p.name for p in path.iterdir()}:
@@ -245,14 +247,19 @@ def load_trainer_state(path: Path) -> dict:
 
 def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Copy a verified checkpoint's model files to `out`: a plain HF model directory."""
-    root = RunDir(run_dir).checkpoints
-    path = RunDir(run_dir).checkpoint(step) if step is not None else latest(run_dir)
+    run = RunDir(run_dir)
+    if not run.config.exists() and not run.checkpoints.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {run.config.name}, no "
+                                f"{run.checkpoints.name}/)")
+    path = run.checkpoint(step) if step is not None else latest(run_dir)
     if path is None or not path.exists():
-        raise FileNotFoundError(f"no checkpoint {'step ' + str(step) if step is not None else ''} in {root}")
+        which = f"at step {step}" if step is not None else "that verifies"
+        raise FileNotFoundError(f"no checkpoint {which} in {run.checkpoints}")
     problem = verify_checkpoint(path)
     if problem:
         raise ValueError(f"checkpoint {path} is corrupt: {problem}")
     out = Path(out)
+    check_directory(out, "OUT_DIR")
     out.mkdir(parents=True, exist_ok=True)
     trainer_only = {CheckpointFiles(path).trainer_state, CheckpointFiles(path).manifest}
     for f in path.iterdir():
