@@ -93,6 +93,19 @@ def rows(path: Path, lines: list) -> str:
     return str(path)
 
 
+TAKEN: list = []  # sockets held open while their case runs (an explicit port that is taken)
+
+
+def taken_port() -> str:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    TAKEN.append(s)
+    return str(s.getsockname()[1])
+
+
 def sums(n: int = 40) -> list[dict]:
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 10 + n) for b in (11, 12)]
 
@@ -134,6 +147,19 @@ def cases(work: Path, model: str) -> list[dict]:
     def cut(f: Path) -> None:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
 
+    def write(name: str, data: bytes) -> str:
+        (work / name).write_bytes(data)
+        return str(work / name)
+
+    def ended_run() -> list[str]:
+        done = subprocess.run([sys.executable, "-m", "asyncrl.cli", *run("ended")], capture_output=True,
+                              text=True, timeout=DEADLINE, env=env(work))
+        if done.returncode:
+            raise RuntimeError(f"the run to end failed: {done.stderr[-500:]}")
+        return ["ctl", str(work / "runs" / "ended"), "status"]
+
+    demos = str(ROOT / "examples/agents/calculator.py") + ":demos"
+    huge_row = sums()[:20] + [{"prompt": "9" * 10_000_000, "answer": "1"}] + sums()[20:]
     jsonl = ["--task.name", "jsonl"]
     agent = ["--task.name", "jsonl", "--task.path", rows(work / "sums.jsonl", sums())]
     return [
@@ -209,6 +235,31 @@ def cases(work: Path, model: str) -> list[dict]:
         {"name": "report: a hand-edited metrics record", "setup": lambda: [
             (work / "edited").mkdir(exist_ok=True), rows(work / "edited" / "metrics.jsonl", [{"step": "x"}]),
             ["report", str(work / "edited")]][-1]},
+        {"name": "rollout.max_tokens 1e9 (past the model's context)",
+         "args": run("maxtok", "--rollout.max_tokens", "1000000000")},
+        {"name": "prompt + answer past the model's context",
+         "args": run("ctx", "--inference.max_prompt_tokens", "600")},
+        {"name": "rollout.group_size 1e6 (past the server's queue)",
+         "args": run("bigG", "--rollout.group_size", "1000000")},
+        {"name": "a minibatch past this machine's memory",
+         "args": run("bigP", "--rollout.prompts_per_step", "10000000")},
+        {"name": "inference.port taken", "setup": lambda: run("port", "--inference.port", taken_port())},
+        {"name": "model.path warm-started by another recipe", "setup": model_copy(
+            "recipe", lambda d: None), "extra": ["--warmstart.demos", demos]},
+        {"name": "task file not UTF-8", "args": run("utf8", *jsonl, "--task.path", write(
+            "latin1.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n'))},
+        {"name": "a 10 MB row among good ones", "args": run("hugerow", *jsonl, "--task.path",
+                                                            rows(work / "huge.jsonl", huge_row))},
+        {"name": "verifier file with a syntax error", "args": run("syntax", "--task.verifier", write(
+            "syntax.py", b"def verify(c, e):\n    return 1 +\n") + ":verify")},
+        {"name": "verifier file that raises when imported", "args": run(
+            "importraise", "--task.verifier", write("raising.py", b"import math\nvalue = math.sqrt(-1)\n")
+            + ":value")},
+        {"name": "config file not UTF-8", "args": ["train", write("c.toml", b'[run]\nname = "\xe9"\n')]},
+        {"name": "run directory is a file", "args": ["train", *m[:2], "--run.root", str(work),
+                                                     "--run.name", Path(write("afile", b"x")).name]},
+        {"name": "ctl: a run that has ended", "setup": ended_run},
+        {"name": "export: not a run directory", "args": ["export", str(work), str(work / "out")]},
         {"name": "export: no such step", "args": ["export", str(work / "runs" / "inf"), str(work / "out"),
                                                  "--step", "x"]},
     ]
@@ -221,7 +272,7 @@ def env(work: Path) -> dict:
 def run_case(case: dict, work: Path) -> dict:
     start = time.monotonic()
     try:
-        args = case["setup"]() if "setup" in case else case["args"]
+        args = (case["setup"]() if "setup" in case else case["args"]) + case.get("extra", [])
     except Exception as e:
         return {"name": case["name"], "error": f"setup failed: {e}"}
     try:
@@ -231,6 +282,8 @@ def run_case(case: dict, work: Path) -> dict:
     except subprocess.TimeoutExpired as e:
         code, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
         stdout, stderr = (s.decode() if isinstance(s, bytes) else s for s in (stdout, stderr))
+    while TAKEN:
+        TAKEN.pop().close()
     lines = stderr.strip().splitlines()
     first = max((i for i, line in enumerate(lines) if line.startswith("asyncrl")), default=len(lines) - 1)
     said = " ".join(line.strip() for line in lines[first:]) if lines else "(nothing)"
