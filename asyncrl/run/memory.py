@@ -4,6 +4,7 @@ so the supervisor stops the run and says which settings drive that role's memory
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 GIB = 2**30
@@ -63,8 +64,8 @@ class MemoryWatch:
         kills = oom_kills()
         self.killed = kills is not None and self.kills is not None and kills > self.kills
         self.kills = kills
-        for role, proc in procs.items():
-            peak = peak_rss(proc.pid) if isinstance(getattr(proc, "pid", None), int) else None
+        for role, proc in procs.items():  # (local processes: a Ray actor's pid is another node's)
+            peak = peak_rss(proc.pid) if isinstance(proc, subprocess.Popen) else None
             if peak is not None:
                 self.peaks[role] = max(peak, self.peaks.get(role, 0))
 
