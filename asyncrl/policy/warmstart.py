@@ -41,8 +41,6 @@ from asyncrl.rewards.tasks import (
 )
 
 CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
-
-
 MAX_BAD_ROWS = 1000  # rows in a row the warm start cannot train on before it stops, naming the first
 
 
@@ -68,9 +66,10 @@ def _check_fits(tokens: int, context: int, where: str) -> None:
 def _examples(make, log) -> Callable[[], tuple[list[int], list[int]]]:
     """Examples from `make`, skipping the rows it refuses (the first said once); one that refuses
     MAX_BAD_ROWS in a row stops the warm start with the first reason."""
-    said: set[str] = set()
+    said = False
 
     def example() -> tuple[list[int], list[int]]:
+        nonlocal said
         first = None
         for _ in range(MAX_BAD_ROWS):
             try:
@@ -79,7 +78,7 @@ def _examples(make, log) -> Callable[[], tuple[list[int], list[int]]]:
                 first = first or str(e)
                 if not said:
                     log(f"warmstart: skipping rows RL would drop, e.g. {e}")
-                said.add(str(e))
+                    said = True
         raise ConfigError(f"warmstart: {MAX_BAD_ROWS} rows in a row cannot be trained on; the first: {first}")
     return example
 
