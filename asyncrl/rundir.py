@@ -24,6 +24,7 @@ role uses. Users and tools may rely on these names; `python -m asyncrl.rundir` p
 | `logs/{role}.log` | each role | its output (a restarted role appends) |
 | `heartbeats/{role}` | each role | touched from its main loop: the supervisor reads its age |
 | `replicas/{index}.json` | each replica | its URL and process id once it serves |
+| `teachers/{index}.json` | each teacher | its URL and process id once it serves (teacher.path) |
 | `trainer.json` | supervisor | where the trainer's Ray host is (run.launcher = "ray") |
 | `weight_sender.json` | trainer | the NCCL broadcast's address (inference.weight_transfer = "nccl") |
 | `control.json` | orchestrator | the control API's address while the orchestrator runs |
@@ -198,6 +199,13 @@ class RunDir:
 
     def replica(self, index: int) -> Path:
         return self.replicas / f"{index}.json"
+
+    @property
+    def teachers(self) -> Path:
+        return self._at("teachers")
+
+    def teacher(self, index: int) -> Path:
+        return self.teachers / f"{index}.json"
 
     @property
     def trainer_info(self) -> Path:

@@ -23,6 +23,11 @@ class Trajectory:
     reward: float = 0.0
     advantages: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    # on-policy distillation (docs/distillation.md): the teacher's logprob of each token (0.0 where the
+    # policy did not sample it), and where teacher.top_k is set its k likeliest tokens at each sampled
+    # position ([ids, logprobs]; [] elsewhere). None: the run has no teacher.
+    teacher_logprobs: list[float] | None = None
+    teacher_top: list[list[list]] | None = None
 
     @property
     def oldest_version(self) -> int:

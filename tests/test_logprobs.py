@@ -120,6 +120,25 @@ def test_a_groups_shared_prompt_goes_through_the_model_once_and_changes_nothing(
     assert shared_tokens < int(lengths.sum()) - 1000 < plain_tokens, (shared_tokens, plain_tokens)
 
 
+def test_the_teachers_top_k_ids_get_the_students_logprobs_from_the_same_logits(tiny_model):
+    """For opd_topk: log π of a teacher's top-k ids at each position, in one call and in length buckets, are
+    the whole-vocabulary log-softmax's, and the logprobs of the targets do not change."""
+    model, tokenizer = load_policy(tiny_model)
+    batch = grouped_batch(len(tokenizer))
+    g = torch.Generator().manual_seed(2)
+    batch["top_ids"] = torch.randint(len(tokenizer), (*batch["targets"].shape, 3), generator=g)
+    want_logp, _ = reference(model, batch, 0.7)
+    logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1].float()
+    want_top = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, batch["top_ids"])
+    lengths = batch["attention"].sum(-1)
+    scored = torch.arange(want_logp.shape[1])[None] < (lengths - 1)[:, None]
+    for buckets in (False, True):
+        logp, _, top = token_logprobs(model, batch, 0.7, buckets=buckets)
+        torch.testing.assert_close(logp[scored], want_logp[scored], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(top[scored], want_top[scored], rtol=1e-5, atol=1e-5)
+        assert top.requires_grad
+
+
 @pytest.mark.parametrize("objective,minibatches,kl_coef", [("decoupled_ppo", 2, 0.0), ("m2po", 1, 0.05)])
 def test_training_steps_with_shared_prompts_are_the_same_steps(tiny_model, objective, minibatches, kl_coef):
     """A whole train_step — the proximal logprobs recomputed, the KL anchor's logprobs, the loss, the

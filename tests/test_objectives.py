@@ -1,4 +1,5 @@
 """Objective math against hand-computed values and an independent token-by-token computation."""
+import dataclasses
 import math
 
 import pytest
@@ -15,14 +16,27 @@ CFG = ObjectiveConfig(eps_low=0.2, eps_high=0.28, behav_weight_cap=5.0, m2_thres
 ln = math.log
 
 
-def make(logp, behav, prox, adv, mask=None, rewards=None, groups=None, dtype=torch.float64):
+TOP_SHIFTS = (0.0, 1.0, 2.5)  # the student's logprobs of the teacher's top-k ids: logp minus these
+TEACHER_TOP = [math.log(p) for p in (0.5, 0.3, 0.1)]  # the teacher's top-3 logprobs at every position
+
+
+def teacher_of(behav):
+    """The teacher's logprob of each token in these tests: the sampler's, shifted by position."""
+    return [[b - 0.1 * (t + 1) for t, b in enumerate(row)] for row in behav]
+
+
+def make(logp, behav, prox, adv, mask=None, rewards=None, groups=None, dtype=torch.float64, teacher=None):
     t = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
     logp = t(logp).requires_grad_(True)
     mask = t(mask) if mask is not None else torch.ones_like(logp)
     rows = logp.shape[0]
     rewards = t(rewards) if rewards is not None else torch.zeros(rows, dtype=dtype)
     groups = torch.tensor(groups if groups is not None else [0] * rows)
-    return LossInputs(logp, t(behav), t(prox), t(adv), mask, torch.zeros_like(mask), rewards, groups)
+    teacher = t(teacher if teacher is not None else teacher_of(behav))
+    top = t(TEACHER_TOP).expand(*logp.shape, len(TEACHER_TOP))
+    top_logp = torch.stack([logp - s for s in TOP_SHIFTS], -1)  # (its gradient reaches logp)
+    return LossInputs(logp, t(behav), t(prox), t(adv), mask, torch.zeros_like(mask), rewards, groups,
+                      teacher, top, top_logp)
 
 
 # --- by hand -----------------------------------------------------------------------------
@@ -70,6 +84,26 @@ def test_sao_drops_both_sides():
     loss.sum().backward()
     assert inp.logp.grad[0].tolist() == pytest.approx([0.0, 0.0, 0.0, 1.1])
     assert metrics["clip_high"] == 0.5 and metrics["clip_low"] == 0.25
+
+
+def test_opd_by_hand():
+    behav, teacher = [[ln(0.5), ln(0.5), ln(0.5)]], [[ln(0.8), ln(0.2), ln(0.8)]]
+    prox = [[ln(0.5), ln(0.5), ln(0.2)]]  # the third: the trainer's 0.2 against the engine's 0.5
+    inp = make(behav, behav, prox, [[0.0] * 3], teacher=teacher)
+    loss, metrics = get_objective("opd")(inp, CFG)
+    # A = ln(0.8/0.5) where the teacher likes the token more, ln(0.2/0.5) where less; r = 1
+    assert loss.detach()[0].tolist() == pytest.approx([-ln(1.6), -ln(0.4), 0.0])
+    assert metrics["opd_masked"] == pytest.approx(1 / 3)
+    assert metrics["reverse_kl"] == pytest.approx((ln(0.5 / 0.8) + ln(0.5 / 0.2) + ln(0.5 / 0.8)) / 3)
+    loss.sum().backward()
+    assert inp.logp.grad[0].tolist() == pytest.approx([-ln(1.6), -ln(0.4), 0.0])
+
+
+def test_distilling_objectives_need_the_teachers_fields():
+    inp = make([[-0.5]], [[-0.5]], [[-0.5]], [[1.0]])
+    for name, field in [("opd", "teacher"), ("rl_opd", "teacher"), ("opd_topk", "teacher_top")]:
+        with pytest.raises(ValueError, match="teacher"):
+            get_objective(name)(dataclasses.replace(inp, **{field: None}), CFG)
 
 
 def test_gspo_sequence_ratio():
@@ -151,6 +185,7 @@ def reference(name, logp, behav, prox, adv, mask, rewards, groups, cfg):
                 continue
             a, r_b, r_p = adv[i][t], math.exp(logp[i][t] - behav[i][t]), math.exp(logp[i][t] - prox[i][t])
             w = min(math.exp(prox[i][t] - behav[i][t]), cfg.behav_weight_cap)
+            teach = teacher_of(behav)[i][t]
             if name in ("ppo_clip", "dr_grpo"):
                 v = clipped(r_b, a)
             elif name == "decoupled_ppo":
@@ -175,6 +210,14 @@ def reference(name, logp, behav, prox, adv, mask, rewards, groups, cfg):
                 v = -r_b * a if 1 - cfg.eps_low <= r_b <= 1 + cfg.eps_high else 0.0
             elif name == "cispo":
                 v = -min(max(r_b, 1 - cfg.eps_low), 1 + cfg.eps_high) * a * logp[i][t]
+            elif name == "opd":
+                agree = math.exp(prox[i][t]) >= math.exp(behav[i][t]) - cfg.opd_mismatch
+                v = -min(r_b, cfg.behav_weight_cap) * (teach - behav[i][t]) if agree else 0.0
+            elif name == "rl_opd":
+                v = w * clipped(r_p, a - cfg.opd_coef * (behav[i][t] - teach))
+            elif name == "opd_topk":
+                p = [math.exp(x) / sum(map(math.exp, TEACHER_TOP)) for x in TEACHER_TOP]
+                v = sum(pj * (math.log(pj) - (logp[i][t] - s)) for pj, s in zip(p, TOP_SHIFTS))
             row.append(v)
         out.append(row)
     return out
@@ -242,7 +285,8 @@ def test_matches_independent_computation(name, case):
     total.backward()
     assert not torch.isnan(inp.logp.grad[counted]).any()
     assert all(math.isfinite(v) for v in metrics.values())
-    if case == "zero_advantages" and name != "vcpo":  # vcpo forms its own advantages from rewards
+    # (vcpo forms its own advantages from rewards, the distilling objectives from the teacher)
+    if case == "zero_advantages" and name not in ("vcpo", "opd", "rl_opd", "opd_topk"):
         assert total.item() == 0.0 and inp.logp.grad.abs().sum() == 0
 
 
@@ -258,8 +302,16 @@ def test_on_policy_reduces_to_the_policy_gradient(name):
     inp = make(logp, logp, logp, adv, mask, rewards, groups)
     loss, _ = get_objective(name)(inp, CFG)
     torch.where(inp.mask > 0, loss, 0.0).sum().backward()
+    teach = teacher_of(logp)
     if name == "vcpo":
         expected = [[-0.5] * 3, [0.5, 0.5, 0.0]]  # A = R − mean(R) = ±0.5
+    elif name == "opd":  # A_t = teach_t − logp_t, the token's negative reverse KL
+        expected = [[-(k - lp) * m for k, lp, m in zip(rk, rl, rm)] for rk, rl, rm in zip(teach, logp, mask)]
+    elif name == "rl_opd":  # A_t − λ(logp_t − teach_t), λ = 1
+        expected = [[-(a - (lp - k)) * m for a, k, lp, m in zip(ra, rk, rl, rm)]
+                    for ra, rk, rl, rm in zip(adv, teach, logp, mask)]
+    elif name == "opd_topk":  # −Σ_j p̂_j: the student's logprob of each top-k id moves with logp here
+        expected = [[-1.0 * m for m in rm] for rm in mask]
     else:
         expected = [[-a * m for a, m in zip(ra, rm)] for ra, rm in zip(adv, mask)]
     assert inp.logp.grad.tolist() == [pytest.approx(row) for row in expected]

@@ -73,9 +73,9 @@ class RoleHost:
 
         if self.rank == 0:
             RunDir(self.dir).heartbeat(self.role).unlink(missing_ok=True)
-        index = replica.index_of(self.role)
-        if index is not None:
-            RunDir(self.dir).replica(index).unlink(missing_ok=True)
+        server = replica.server_of(self.role)
+        if server is not None:
+            replica.info_path(self.dir, server[1], server[0]).unlink(missing_ok=True)
         if self.role == "trainer" and self.rank == 0 and self._config()["trainer"]["ranks"] > 1:
             env = {**env, **self._start_followers(threads, env)}
         log = open(RunDir(self.dir).log(self.log_name), "a")
@@ -177,14 +177,15 @@ class RoleHost:
         return path.read_text(errors="replace")[-2**20:] if path.exists() else ""
 
     def info(self) -> dict | None:
-        """The trainer's directory; a replica's replicas/<i>.json (bound to every interface, its URL names
-        this node)."""
+        """The trainer's directory; a replica's replicas/<i>.json, a teacher's teachers/<i>.json (bound to
+        every interface, its URL names this node)."""
         import ray
 
-        if replica.index_of(self.role) is None:  # the trainer: and the node of each rank
+        server = replica.server_of(self.role)
+        if server is None:  # the trainer: and the node of each rank
             nodes = [self.node()] + [ray.get(host.node.remote(), timeout=10) for host in self.followers]
             return {"dir": str(self.dir), "node": ray.util.get_node_ip_address(), "rank_nodes": nodes}
-        info = replica.read_info(self.dir, replica.index_of(self.role))
+        info = replica.read_info(self.dir, server[1], server[0])
         if info is not None and "://0.0.0.0:" in info["url"]:
             info["url"] = info["url"].replace("0.0.0.0", ray.util.get_node_ip_address())
         return info

@@ -97,6 +97,9 @@ class RayHosts:
         # bundles 0..M-1: the trainer's ranks (its leader's host places the others); then the replicas
         ranks = cfg.trainer.ranks
         self.bundle_of = {"trainer": 0, **{replica.role(i): ranks + i for i in range(cfg.inference.replicas)}}
+        first_teacher = ranks + cfg.inference.replicas  # then the teachers the run starts
+        self.bundle_of.update({replica.role(i, "teacher"): first_teacher + i
+                               for i in range(cfg.teacher.started_here)})
 
     def place(self) -> None:
         from ray.util.placement_group import placement_group
@@ -108,6 +111,8 @@ class RayHosts:
         bundles = [rank_bundle] * cfg.trainer.ranks
         replica_bundle = {"CPU": cfg.role_threads("inference"), **cfg.inference.ray_resources}
         bundles += [replica_bundle] * cfg.inference.replicas
+        teacher_bundle = {"CPU": cfg.role_threads("teacher"), **cfg.teacher.ray_resources}
+        bundles += [teacher_bundle] * cfg.teacher.started_here
         self.group = placement_group(bundles, strategy="PACK", name=f"asyncrl-{cfg.run.name}")
         try:
             self.ray.get(self.group.ready(), timeout=cfg.run.ray_placement_timeout)
@@ -118,11 +123,13 @@ class RayHosts:
                 f"(run.ray_placement_timeout): each of the trainer's {cfg.trainer.ranks} rank(s) needs "
                 f"{bundles[0]} (its threads and trainer.ray_resources; on this node without run.storage) "
                 f"and each of {cfg.inference.replicas} inference "
-                f"replica(s) {replica_bundle} (inference.threads and inference.ray_resources); the cluster "
+                f"replica(s) {replica_bundle} (inference.threads and inference.ray_resources), each of "
+                f"{cfg.teacher.started_here} teacher(s) {teacher_bundle} (teacher.threads and "
+                "teacher.ray_resources); the cluster "
                 f"has {self.ray.available_resources()} free. Nothing ran: the same command with "
                 "--run.overwrite true starts again") from None
-        self.log(f"ray: placed the trainer's {cfg.trainer.ranks} rank(s) and {cfg.inference.replicas} "
-                 f"inference replica(s): {bundles}")
+        self.log(f"ray: placed the trainer's {cfg.trainer.ranks} rank(s), {cfg.inference.replicas} "
+                 f"inference replica(s) and {cfg.teacher.started_here} teacher(s): {bundles}")
 
     def start(self, role: str, threads: int, env: dict) -> RemoteRole:
         """Start `role` in its host (a new host if it has none or its host died)."""
@@ -150,8 +157,9 @@ class RayHosts:
     def _config(self) -> str:
         """The run's config for a host without the run directory: the model path made absolute."""
         tree = json.loads((RunDir(self.run_dir).config).read_text())
-        if Path(tree["model"]["path"]).exists():
-            tree["model"]["path"] = str(Path(tree["model"]["path"]).resolve())
+        for section in ("model", "teacher"):
+            if tree[section]["path"] and Path(tree[section]["path"]).exists():
+                tree[section]["path"] = str(Path(tree[section]["path"]).resolve())
         return json.dumps(tree)
 
     def close(self) -> None:
@@ -183,8 +191,8 @@ def _connect(cfg: Config, log) -> None:
         log(f"ray: attached to the cluster at {address}")
         return
     # logical CPUs: at least what the roles ask for, even on a machine with fewer cores
-    cpus = max(cfg.role_threads("trainer") + cfg.role_threads("inference") * cfg.inference.replicas,
-               os.cpu_count() or 1)
+    cpus = max(cfg.role_threads("trainer") + cfg.role_threads("inference") * cfg.inference.replicas
+               + cfg.role_threads("teacher") * cfg.teacher.started_here, os.cpu_count() or 1)
     ray.init(num_cpus=cpus, object_store_memory=256 * 2**20, include_dashboard=False, **quiet)
     log(f"ray: started a local cluster for this run ({cpus} logical CPUs)")
 

@@ -22,6 +22,7 @@ from asyncrl.config.sections import (
     RunConfig,
     Section,
     TaskConfig,
+    TeacherConfig,
     TimeoutConfig,
     TrainerConfig,
     WarmstartConfig,
@@ -42,6 +43,7 @@ class Config(Section):
     objective: ObjectiveConfig = ObjectiveConfig()
     trainer: TrainerConfig = TrainerConfig()
     inference: InferenceConfig = InferenceConfig()
+    teacher: TeacherConfig = TeacherConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
 
     @model_validator(mode="after")
@@ -76,6 +78,7 @@ class Config(Section):
         if self.inference.engine == "vllm" and self.run.launcher == "ray":
             raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
                              "replicas run under the local launcher; docs/distributed.md)")
+        _check_teacher(self)
         rows = ro.prompts_per_step * ro.group_size
         if rows < self.trainer.ranks * self.trainer.minibatches:
             raise ValueError(
@@ -117,11 +120,31 @@ class Config(Section):
         """Threads for one role: when the roles alternate (η = 0) each may use every core."""
         import os
 
+        if role == "teacher":
+            return self.teacher.threads
         asked = self.trainer.threads if role == "trainer" else self.inference.threads
         if asked:
             return asked
         cores = os.cpu_count() or 1
         return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
+
+
+# the objectives that train on a teacher's logprobs (asyncrl/objectives/opd*.py, rl_opd.py)
+DISTILLING = ("opd", "rl_opd", "opd_topk")
+
+
+def _check_teacher(cfg: Config) -> None:
+    """An objective that distils needs a teacher (and its top-k, for the forward KL over them)."""
+    name, teacher = cfg.objective.name, cfg.teacher
+    if cfg.objective.import_path is None and name in DISTILLING and not teacher.enabled:
+        raise ValueError(f"objective.name = {name!r} distils from a teacher: set teacher.path (a model with "
+                         "the student's tokenizer; docs/distillation.md)")
+    if name == "opd_topk" and cfg.objective.import_path is None and teacher.top_k < 1:
+        raise ValueError("objective.name = 'opd_topk' trains on the teacher's top-k tokens: set "
+                         "teacher.top_k (e.g. 8)")
+    if teacher.engine == "vllm" and cfg.run.launcher == "ray" and not teacher.url:
+        raise ValueError("teacher.engine = 'vllm' with run.launcher = 'ray' is not supported yet (as for the "
+                         "inference replicas); run it yourself and give teacher.url")
 
 
 def parse_value(text: str, key: str = "") -> Any:
@@ -198,6 +221,8 @@ def explain(err: ValidationError) -> str:
             section = e["loc"][:-1]
             allowed = _allowed_keys(section)
             lines.append(f"unknown key {key!r}; allowed here: {', '.join(allowed)}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a rule within a section
+            lines.append(f"[{key}] " + e["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{key} = {e.get('input')!r}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)
@@ -254,6 +279,12 @@ RESUMABLE_KEYS = (
     "run.wandb_",
     "run.log_level",
     "inference.replicas",
+    "teacher.replicas",
+    "teacher.threads",
+    "teacher.max_concurrent",
+    "teacher.url",  # (the same teacher served elsewhere)
+    "teacher.token_file",
+    "teacher.ray_resources",
     "inference.ray_resources",
     "trainer.ray_resources",
     "timeouts.",

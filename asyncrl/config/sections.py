@@ -239,6 +239,11 @@ class ObjectiveConfig(Section):
     m2_threshold: float = Field(0.04, gt=0)
     # vcpo: how the step shrinks with the effective sample size fraction
     vcpo_lr_scale: Literal["ess", "sqrt_ess"] = "sqrt_ess"
+    # rl_opd: λ in A_t − λ·(log π − log π_teacher) (asyncrl/objectives/rl_opd.py)
+    opd_coef: float = Field(1.0, ge=0)
+    # opd: a token whose probability under the trainer's proximal weights falls more than this below the
+    # engine's carries no gradient (train–inference mismatch masking, as prime-rl)
+    opd_mismatch: float = Field(0.2, gt=0, le=1)
     # any objective: β·KL(π_θ ‖ π_ref) per token to the initial policy, and an entropy bonus
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -318,6 +323,52 @@ class InferenceConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+class TeacherConfig(Section):
+    """On-policy distillation (docs/distillation.md): a teacher model scores the student's own samples, its
+    per-token logprobs go into each trajectory (`teacher_logprobs`) and an opd objective trains on them.
+    Unset `path`: no teacher."""
+
+    # an HF causal LM directory or hub name, as model.path; its tokenizer must be the student's (checked
+    # before any role starts: cross-tokenizer distillation is out of scope)
+    path: str | None = None
+    # builtin: asyncrl's engine (its /v1/score endpoint); vllm: a vLLM server scoring through prompt_logprobs
+    engine: Literal["builtin", "vllm"] = "builtin"
+    replicas: int = Field(1, ge=1, le=64, description="teacher servers the launcher starts")
+    threads: int = Field(1, ge=1, description="threads of each teacher server")
+    # a teacher server someone else runs (it must serve `path`): none is started, and its token is read
+    # from `token_file` (a server reachable by URL without one is refused)
+    url: str | None = None
+    token_file: str | None = None
+    # besides each sampled token's logprob, the teacher's k most likely tokens per position (0: none):
+    # what objective.name = "opd_topk" trains on
+    top_k: int = Field(0, ge=0, le=64)
+    max_concurrent: int = Field(8, ge=1, description="scoring requests in flight at once")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    vllm_args: list[str] = []
+    # run.launcher = "ray": what each teacher's actor asks of its node besides its threads
+    ray_resources: dict[str, float] = {}
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "TeacherConfig":
+        if self.url and not self.path:
+            raise ValueError("teacher.url needs teacher.path: the model that server serves (its tokenizer is "
+                             "checked against the student's, and vLLM asks for its name)")
+        if self.url and not self.token_file:
+            raise ValueError(f"teacher.url = {self.url!r} needs teacher.token_file, a file holding that "
+                             "server's token: asyncrl does not send samples to a server it cannot "
+                             "authenticate to")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    @property
+    def started_here(self) -> int:
+        """Teacher servers the launcher starts (none for an external one)."""
+        return self.replicas if self.enabled and not self.url else 0
+
+
 class TimeoutConfig(Section):
     """Every wait has a deadline (seconds)."""
 
@@ -334,6 +385,9 @@ class TimeoutConfig(Section):
     )
     episode: float = Field(300.0, gt=0, description="one agent episode, all its turns and tools")
     tool: float = Field(30.0, gt=0, description="one tool call, unless the tool sets its own")
+    teacher: float = Field(
+        300.0, gt=0, description="one sample's teacher scores, retries through a teacher restart included"
+    )
     no_accepted_sample: float = Field(
         300.0, gt=0, description="samples failing this long with none accepted: the run stops"
     )

@@ -2,6 +2,8 @@
 
     POST /v1/completions   token ids in; token ids, per-token logprobs and versions out (with
                            "stream_groups": one JSON line per prompt as soon as its n samples are done)
+    POST /v1/score         token ids in; each token's logprob under the model out, prefill only (a
+                           teacher's answer in on-policy distillation: asyncrl/inference/scoring.py)
     GET  /health           200 once the model is loaded
     GET  /version          {"version": v}; with ?hash=1 also the hash of the served weights
     POST /update_weights   {"path": ..., "version": v}: load a safetensors file as version v
@@ -16,8 +18,10 @@ and runs it with continuous batching; requests join the running batch at the nex
 boundary. A weight update lands at a token boundary too (`policy`: interrupt, keep, abort or
 finish; default inference.update_policy).
 
-Run as `python -m asyncrl.inference.server RUN_DIR [REPLICA]`; replica i writes RUN_DIR/replicas/i.json
-with its URL (asyncrl/inference/replica.py). One started so by hand joins a running job's routing.
+Run as `python -m asyncrl.inference.server RUN_DIR [REPLICA] [--teacher]`; replica i writes
+RUN_DIR/replicas/i.json with its URL (asyncrl/inference/replica.py). One started so by hand joins a running
+job's routing. With --teacher it serves teacher.path instead of the policy, as teacher i (teachers/i.json),
+and never loads a version.
 """
 from __future__ import annotations
 
@@ -37,13 +41,14 @@ from aiohttp import web
 from asyncrl.config import read_run_config
 from asyncrl.control.access import LOOPBACK, ensure_token, inside
 from asyncrl.files import write_atomic
-from asyncrl.inference import replica
+from asyncrl.inference import replica, scoring
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.policy.model import load_policy
 from asyncrl.run import event_loop
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.role import FatalError, run_role
+from asyncrl.run.sizes import longest_sequence
 from asyncrl.rundir import RunDir
 
 log = logging.getLogger("asyncrl.inference")
@@ -138,6 +143,7 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
     weights_root = RunDir(run_dir).weights
     vocab = engine.model.get_input_embeddings().num_embeddings
     max_prompt_tokens, load_timeout = cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load
+    max_scored_tokens = max(longest_sequence(cfg)[0], max_prompt_tokens) + scoring.HINT_TOKENS
 
     async def completions(request: web.Request) -> web.Response:
         try:
@@ -187,6 +193,14 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
         await response.write_eof()
         return response
 
+    async def score(request: web.Request) -> web.Response:
+        try:
+            seqs, starts, top_k = scoring.parse_score_request(await request.json(), vocab, max_scored_tokens)
+        except (scoring.ScoreRequestError, json.JSONDecodeError) as e:
+            return _error(400, str(e))
+        answer = await worker.call("score", seqs, starts, top_k)
+        return web.json_response({"scores": answer}, dumps=lambda body: orjson.dumps(body).decode())
+
     async def update_weights(request: web.Request) -> web.Response:
         """{"path": full safetensors, "version": v, optional "patch" + "base_version" (a sparse
         patch onto the version held now), "hash" (weights.state_hash of the result), "policy"}."""
@@ -231,6 +245,7 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 "tokens_prefilled": engine.tokens_prefilled,
                 "tokens_reused": engine.tokens_reused,
                 "busy_seconds": worker.phases.seconds["generate"],
+                "score_seconds": worker.phases.seconds["score"],
                 "uptime_seconds": time.monotonic() - worker.started,
                 "phases": dict(worker.phases.seconds),
                 "version": engine.version,
@@ -250,6 +265,7 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
     app.add_routes(
         [
             web.post("/v1/completions", completions),
+            web.post("/v1/score", score),
             web.post("/update_weights", update_weights),
             web.get("/version", version),
             web.get("/health", health),
@@ -280,11 +296,14 @@ async def _bind(runner: web.AppRunner, host: str, port: int, asked: bool) -> web
     return site
 
 
-async def serve(run_dir: Path, index: int = 0) -> None:
+async def serve(run_dir: Path, index: int = 0, teacher: bool = False) -> None:
     cfg = read_run_config(run_dir)
-    torch.set_num_threads(cfg.role_threads("inference"))
-    model, tokenizer = load_policy(cfg.model.path)
-    model = model.to(getattr(torch, cfg.inference.dtype))
+    kind = "teacher" if teacher else "inference"
+    model_path, dtype = ((cfg.teacher.path, cfg.teacher.dtype) if teacher
+                         else (cfg.model.path, cfg.inference.dtype))
+    torch.set_num_threads(cfg.role_threads(kind))
+    model, tokenizer = load_policy(model_path)
+    model = model.to(getattr(torch, dtype))
     incarnation = int(os.environ.get("ASYNCRL_INCARNATION", "0"))  # a restarted server: new samples
     engine = Engine(
         model,
@@ -295,23 +314,28 @@ async def serve(run_dir: Path, index: int = 0) -> None:
         max_tokens=cfg.inference.max_batch_tokens,
         prefix_cache_tokens=cfg.inference.prefix_cache_tokens,
     )
-    beats = Heartbeat(run_dir, replica.role(index))
+    beats = Heartbeat(run_dir, replica.role(index, kind))
     worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, beats)
-    app = make_app(worker, tokenizer, cfg.model.path, cfg, run_dir)
+    app = make_app(worker, tokenizer, model_path, cfg, run_dir)
     # handler_cancellation: a request whose client disconnects is cancelled, and with it its sequences
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     previous = int(os.environ.get("ASYNCRL_INFERENCE_PORT", "0"))
-    port = cfg.inference.port + index if cfg.inference.port else previous
-    site = await _bind(runner, cfg.inference.host, port, asked=bool(cfg.inference.port))
+    asked = cfg.inference.port and not teacher  # (teachers take free ports)
+    port = cfg.inference.port + index if asked else previous
+    site = await _bind(runner, cfg.inference.host, port, asked=bool(asked))
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://{cfg.inference.host}:{port}"
-    RunDir(run_dir).replica(index).parent.mkdir(exist_ok=True)
-    write_atomic(RunDir(run_dir).replica(index), json.dumps({"url": url, "pid": os.getpid()}))
-    log.info(f"inference {index}: serving {cfg.model.path} at {url} with {torch.get_num_threads()} threads")
+    info = replica.info_path(run_dir, index, kind)
+    info.parent.mkdir(exist_ok=True)
+    write_atomic(info, json.dumps({"url": url, "pid": os.getpid()}))
+    log.info(f"{kind} {index}: serving {model_path} at {url} with {torch.get_num_threads()} threads")
     await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    index = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-    run_role(replica.role(index), sys.argv[1], lambda: event_loop.run(serve(Path(sys.argv[1]), index)))
+    is_teacher = "--teacher" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--teacher"]
+    index = int(args[1]) if len(args) > 1 else 0
+    run_role(replica.role(index, "teacher" if is_teacher else "inference"), args[0],
+             lambda: event_loop.run(serve(Path(args[0]), index, is_teacher)))

@@ -1,6 +1,6 @@
 """The thread that owns the engine: HTTP handlers hand it commands, it answers through futures.
 
-Commands (generate, cancel, update, hash, pause, resume, abort) queue up and are applied between
+Commands (generate, score, cancel, update, hash, pause, resume, abort) queue up and are applied between
 engine steps, so nothing the event loop does ever touches the engine mid-step.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from asyncrl.inference import scoring
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.observe.profile import Phases
 from asyncrl.transports import weights
@@ -40,7 +41,8 @@ class Worker:
         self.queued_sequences = 0  # sequences of generate commands not yet handed to the engine
         self.queued_lock = threading.Lock()  # the event loop adds, the engine thread subtracts
         self.requests: dict[asyncio.Future, list[Sequence]] = {}  # requests being served (engine thread)
-        self.phases = Phases()  # generate, load_weights, recompute_kv (engine thread), respond (event loop)
+        # generate, score, load_weights, recompute_kv (engine thread), respond (event loop)
+        self.phases = Phases()
         self.started = time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="engine").start()
 
@@ -121,6 +123,11 @@ class Worker:
         self.engine.add(seqs)
         with self.queued_lock:
             self.queued_sequences -= len(prompts)
+
+    def _cmd_score(self, future, seqs: list[list[int]], starts: list[int], top_k: int) -> None:
+        """Prefill-only logprobs of given tokens (asyncrl/inference/scoring.py), between decoding steps."""
+        with self.phases("score"):
+            self._resolve(future, scoring.score(self.engine.model, self.engine.pad_id, seqs, starts, top_k))
 
     def _cmd_update(self, future, body: dict) -> None:
         policy = body.get("policy") or self.update_policy

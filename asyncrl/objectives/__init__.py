@@ -21,6 +21,9 @@ REGISTRY: dict[str, str] = {
     "vcpo": "asyncrl.objectives.vcpo:loss",
     "sao": "asyncrl.objectives.sao:loss",
     "cispo": "asyncrl.objectives.cispo:loss",
+    "opd": "asyncrl.objectives.opd:loss",
+    "rl_opd": "asyncrl.objectives.rl_opd:loss",
+    "opd_topk": "asyncrl.objectives.opd_topk:loss",
 }
 
 

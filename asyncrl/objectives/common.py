@@ -22,6 +22,12 @@ class LossInputs:
     staleness: torch.Tensor   # versions between the sampling policy and the trained one
     rewards: torch.Tensor     # [rows] the trajectory's reward
     groups: torch.Tensor      # [rows] integer id of the prompt group the row belongs to
+    # on-policy distillation (None without a teacher): log π_T(y_t), and at each position the teacher's
+    # top-k logprobs [rows, tokens, k] (-inf where not sampled) with the current policy's logprobs of the
+    # same ids (with gradient)
+    teacher: torch.Tensor | None = None
+    teacher_top: torch.Tensor | None = None
+    top_logp: torch.Tensor | None = None
 
 
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.rollout import rollout_agent_group, score_group
 from asyncrl.orchestrator.staleness import StalenessGate
+from asyncrl.orchestrator.teacher import Teacher
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
 from asyncrl.run.heartbeat import Heartbeat
@@ -82,6 +83,7 @@ class Orchestrator:
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
         self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents)
                           if eval_tasks else None)
+        self.teacher = Teacher(cfg, run_dir, tokenizer, self.events) if cfg.teacher.enabled else None
         self._restore()
 
     def _restore(self) -> None:
@@ -140,8 +142,7 @@ class Orchestrator:
         self.sinks.write(record)
 
     def _fail(self, error: Exception) -> None:
-        """The role ends with the first failure (groups finishing meanwhile may fail again: the breaker's
-        count grows past its limit, a second error follows the first)."""
+        """The role ends with the first failure (groups finishing meanwhile may fail too: a second error)."""
         self.failure = self.failure or error
 
     async def _notify(self) -> None:
@@ -208,6 +209,8 @@ class Orchestrator:
                 group, dropped = await self.router.call(generate, f"prompt {index}", cfg.rollout.group_size)
             else:
                 group, dropped = await score_group(self.verifiers, entry, prompt, index, *await choices, cfg)
+            if self.teacher and group:  # (on record, and so in a batch, only once scored: teacher.py)
+                await self.teacher.score(group)
         except Exception as e:  # every waiting loop hears of it (_run_group notifies)
             self._fail(e if not isinstance(e, InferenceUnavailable) else RuntimeError(
                 f"orchestrator: prompt {index} failed {ATTEMPTS} times: {e}"))
@@ -290,7 +293,9 @@ class Orchestrator:
             version += 1
             marker = await self._wait_for_version(version)
             await self.router.load(version, marker)
-            record = step_record(self, version, marker, await self.router.stats())
+            teacher = await self.teacher.stats() if self.teacher else {}
+            stats = {**await self.router.stats(), "teacher": teacher}
+            record = step_record(self, version, marker, stats)
             self.ledger.record_step(version, record)
             await self._notify()
             self._write_metrics(record)
@@ -367,6 +372,7 @@ class Orchestrator:
             if proxy is not None:
                 await self.agents.close()
                 await proxy.cleanup()
+            await self.teacher.close() if self.teacher else None
             self.ledger.close()
 
 

@@ -31,6 +31,11 @@ def task_stats(trajs: list[Trajectory]) -> dict:
         rewards = [t.reward for t in trajs if t.task == task]
         out.update({f"reward/{task}": sum(rewards) / len(rewards), f"samples/{task}": len(rewards),
                     f"accuracy/{task}": sum(r >= 1.0 for r in rewards) / len(rewards)})
+    scored = [t.info for t in trajs if "score_seconds" in t.info]
+    if scored:  # on-policy distillation: the teacher's time on a sample, and its share of the sample's wait
+        out.update({"teacher_seconds_mean": sum(i["score_seconds"] for i in scored) / len(scored),
+                    "teacher_share": sum(i["score_seconds"] / max(i["score_seconds"] + i["generate_seconds"],
+                                                                 1e-9) for i in scored) / len(scored)})
     played = [t.info for t in trajs if "turns" in t.info]
     if played:
         out.update({"turns_mean": sum(i["turns"] for i in played) / len(played),
@@ -46,6 +51,7 @@ def profile(stats: dict, phases: Phases, verifiers, cpu_at_start: float, up_sinc
     inference = {f"time/inference/{k}": round(v, 4) for k, v in stats.get("phases", {}).items()}
     return {
         **inference,
+        **{k: v for k, v in stats.get("teacher", {}).items() if k.startswith("time/")},
         "time/inference/uptime": stats["uptime_seconds"],
         **phases.totals("time/orchestrator"),
         "time/orchestrator/cpu": time.process_time() - cpu_at_start,
@@ -83,5 +89,6 @@ def step_record(orch, version: int, marker: dict, stats: dict) -> dict:
         **profile(stats, orch.phases, orch.verifiers, orch.cpu_at_start, orch.up_since),
         "in_flight_groups": len(orch.in_flight), "in_flight_groups_max": peak,
         "ready_groups": len(orch.ready), "replicas_routed": stats["replicas_routed"],
+        **{k: v for k, v in stats.get("teacher", {}).items() if not k.startswith("time/")},
         **{k: v for k, v in marker.items() if k not in MARKER_IDS},
     }

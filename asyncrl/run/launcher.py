@@ -194,7 +194,7 @@ def _run(cfg: Config, run_dir: Path, log, fresh: bool = False) -> Path:
     launch(cfg, run_dir, log, fresh)
     summary = write_report(run_dir)
     summary["wall_seconds"] = round(time.monotonic() - start, 1)
-    summary["ledger"] = audit(run_dir, cfg.rollout.max_staleness)
+    summary["ledger"] = audit(run_dir, cfg.rollout.max_staleness, cfg.teacher.enabled)
     (RunDir(run_dir).summary).write_text(json.dumps(summary, indent=2))
     log((RunDir(run_dir).report_md).read_text())
     if summary["ledger"]["problems"]:

@@ -39,6 +39,8 @@ def check_inputs(cfg: Config, log=print) -> Config:
             load_agent(path)
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
+    if cfg.teacher.enabled:
+        check_teacher(cfg)
     check_installed(cfg)  # (the metric sinks asked for)
     check_sizes(cfg)
     _check_ports(cfg)
@@ -122,24 +124,59 @@ def _has_chat_template(model: Path) -> bool:
         return False
 
 
-def _check_hub_model(name: str) -> None:
-    """A model.path that is not a local directory must at least resolve on the hub (or its cache)."""
+def _check_hub_model(name: str, key: str = "model.path") -> None:
+    """A model path that is not a local directory must at least resolve on the hub (or its cache)."""
     from transformers import AutoConfig
 
     try:
         AutoConfig.from_pretrained(name)
     except Exception as e:
+        hint = "run `asyncrl warmstart` for the tiny default or fix the path" if key == "model.path" else \
+            "fix the path"
+        raise ConfigError(f"{key} = {name!r} is not a local directory and cannot be loaded as a hub model "
+                          f"({type(e).__name__}); {hint}") from None
+
+
+def check_teacher(cfg: Config) -> None:
+    """On-policy distillation's teacher: a model that loads, with the student's tokenizer (the objective
+    compares logprobs of the same token ids; cross-tokenizer distillation is out of scope), and for a
+    server someone else runs, its token."""
+    teacher = cfg.teacher
+    if teacher.url:
+        token = Path(teacher.token_file)
+        if not token.is_file() or not token.read_text().strip():
+            raise ConfigError(f"teacher.token_file = {teacher.token_file!r} is missing or empty: it must "
+                              f"hold the token of the teacher server at {teacher.url}")
+    elif Path(teacher.path).exists():
+        check_model(Path(teacher.path), "teacher.path")
+    else:
+        _check_hub_model(teacher.path, "teacher.path")
+    student, theirs = _vocabulary(cfg.model.path), _vocabulary(teacher.path)
+    if student != theirs:
+        differ = sorted(set(student.items()) ^ set(theirs.items()))
         raise ConfigError(
-            f"model.path = {name!r} is not a local directory and cannot be loaded as a hub model "
-            f"({type(e).__name__}); run `asyncrl warmstart` for the tiny default or fix the path"
-        ) from None
+            f"teacher.path = {teacher.path!r} has another tokenizer than the student's model.path = "
+            f"{cfg.model.path!r} ({len(theirs)} tokens against {len(student)}; {len(differ)} token/id pairs "
+            f"differ, e.g. {differ[:3]}): distillation compares the logprobs of the same token ids, so the "
+            "teacher must share the student's tokenizer (cross-tokenizer distillation is out of scope)")
+
+
+def _vocabulary(path: str) -> dict[str, int]:
+    """token -> id of a model's tokenizer, added tokens included."""
+    if (Path(path) / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(Path(path) / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).get_vocab()
 
 
 
-def check_model(path: Path) -> None:
+def check_model(path: Path, key: str = "model.path") -> None:
     """A local model directory must hold a readable config, a tokenizer and complete weights; each
     problem is one ConfigError naming the file."""
-    where = f"model.path = {str(path)!r}"
+    where = f"{key} = {str(path)!r}"
     if not path.is_dir():
         raise ConfigError(f"{where} is a file, not a model directory")
     try:

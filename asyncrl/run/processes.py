@@ -26,9 +26,11 @@ class RunError(RuntimeError):
 
 
 def command(role: str, run_dir: Path) -> list[str]:
-    index = replica.index_of(role)
-    if index is not None:
-        return [sys.executable, "-m", "asyncrl.inference.server", str(run_dir), str(index)]
+    server = replica.server_of(role)
+    if server is not None:
+        kind, index = server
+        return [sys.executable, "-m", "asyncrl.inference.server", str(run_dir), str(index),
+                *(["--teacher"] if kind == "teacher" else [])]
     return [sys.executable, "-m", MODULES[role], str(run_dir)]
 
 
@@ -65,19 +67,24 @@ def start_role(role: str, run_dir: Path, threads: int, **env: str) -> subprocess
     return spawn(command(role, run_dir), stdout=log, stderr=subprocess.STDOUT, env=role_env(threads, **env))
 
 
-def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int = 0) -> subprocess.Popen:
-    """Replica `index` as vLLM's OpenAI server on loopback; its URL goes to replicas/<index>.json at once
-    (the orchestrator waits for /health within timeouts.startup)."""
+def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int = 0,
+               kind: str = "inference") -> subprocess.Popen:
+    """Replica (or teacher) `index` as vLLM's OpenAI server on loopback; its URL goes to
+    replicas/<index>.json (teachers/<index>.json) at once (the orchestrator waits for /health within
+    timeouts.startup). A teacher serves teacher.path in teacher.dtype, scoring through prompt_logprobs."""
     from asyncrl.run.ports import free_port
 
-    port = cfg.inference.port + index if cfg.inference.port else port
+    teacher = kind == "teacher"
+    port = cfg.inference.port + index if cfg.inference.port and not teacher else port
     if port == 0:
         port = free_port(cfg.inference.host)
+    model, dtype = (cfg.teacher.path, cfg.teacher.dtype) if teacher else (cfg.model.path, cfg.inference.dtype)
+    extra = cfg.teacher.vllm_args if teacher else cfg.inference.vllm_args
     cmd = [cfg.inference.vllm_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", cfg.model.path, "--host", cfg.inference.host, "--port", str(port),
-           "--dtype", cfg.inference.dtype, "--logprobs-mode", "processed_logprobs",
-           "--seed", str(cfg.run.seed), *cfg.inference.vllm_args]
-    if cfg.inference.weight_transfer == "nccl":  # (trainer broadcasts: transports/weight_sender.py)
+           "--model", model, "--host", cfg.inference.host, "--port", str(port),
+           "--dtype", dtype, "--logprobs-mode", "raw_logprobs" if teacher else "processed_logprobs",
+           "--seed", str(cfg.run.seed), *extra]
+    if cfg.inference.weight_transfer == "nccl" and not teacher:  # (trainer broadcasts: weight_sender.py)
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     env = dict(
         os.environ,
@@ -85,11 +92,13 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int =
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         OMP_NUM_THREADS=str(threads),
     )
-    log = open(RunDir(run_dir).log(replica.role(index)), "a")
+    if teacher:  # (the run's token guards it like the built-in servers' admin endpoints)
+        env["VLLM_API_KEY"] = (RunDir(run_dir).token).read_text().strip()
+    log = open(RunDir(run_dir).log(replica.role(index, kind)), "a")
     proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    RunDir(run_dir).replica(index).parent.mkdir(exist_ok=True)
-    write_atomic(RunDir(run_dir).replica(index),
-                 json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
+    info = replica.info_path(run_dir, index, kind)
+    info.parent.mkdir(exist_ok=True)
+    write_atomic(info, json.dumps({"url": f"http://{cfg.inference.host}:{port}", "engine": "vllm"}))
     return proc
 
 

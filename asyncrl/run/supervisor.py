@@ -28,25 +28,33 @@ from asyncrl.rundir import RunDir
 
 
 def role_names(cfg: Config) -> list[str]:
-    return [replica.role(i) for i in range(cfg.inference.replicas)] + ["trainer", "orchestrator"]
+    """The servers first (the trainer and the orchestrator start once they serve), then those two."""
+    teachers = [replica.role(i, "teacher") for i in range(cfg.teacher.started_here)]
+    return [replica.role(i) for i in range(cfg.inference.replicas)] + teachers + ["trainer", "orchestrator"]
+
+
+def _served(run_dir: Path, role: str) -> bool:
+    kind, index = replica.server_of(role)
+    return replica.read_info(run_dir, index, kind) is not None
 
 
 def wait_for_replicas(supervisor: "Supervisor", deadline: float) -> None:
-    """Until every replica has written its URL: one that exits first stops the run with its log."""
-    replicas = {r: p for r, p in supervisor.procs.items() if replica.index_of(r) is not None}
+    """Until every server (replica, teacher) has written its URL: one that exits first stops the run with
+    its log."""
+    servers = {r: p for r, p in supervisor.procs.items() if replica.server_of(r) is not None}
 
     def started() -> bool:
-        for role, proc in replicas.items():
+        for role, proc in servers.items():
             if proc.poll() is not None:
                 raise RunError(f"the {role} process exited with code {proc.returncode}; last lines of its "
                                f"log ({supervisor.log_path(role)}):\n{supervisor.tail(role)}")
             supervisor.sync_info(role)
-        return all(replica.read_info(supervisor.run_dir, replica.index_of(r)) for r in replicas)
+        return all(_served(supervisor.run_dir, r) for r in servers)
 
     try:
         poll(started, deadline, "")
     except TimeoutError:
-        late = [r for r in replicas if not replica.read_info(supervisor.run_dir, replica.index_of(r))]
+        late = [r for r in servers if not _served(supervisor.run_dir, r)]
         raise RunError(f"{', '.join(late)} did not start within {deadline:.0f}s (timeouts.startup); see "
                        + ", ".join(str(supervisor.log_path(r)) for r in late)) from None
 
@@ -71,20 +79,21 @@ class Supervisor:
         self.memory = MemoryWatch()
 
     def _vllm(self, role: str) -> bool:
-        return replica.index_of(role) is not None and self.cfg.inference.engine == "vllm"
+        server = replica.server_of(role)
+        engine = {"inference": self.cfg.inference.engine, "teacher": self.cfg.teacher.engine}
+        return server is not None and engine[server[0]] == "vllm"
 
     def start(self, role: str) -> None:
-        index = replica.index_of(role)
-        kind = "trainer" if index is None else "inference"
+        kind, index = replica.server_of(role) or ("trainer", None)
         threads = 1 if role == "orchestrator" else self.cfg.role_threads(kind)
         env = {}
         if index is not None:
-            info = replica.read_info(self.run_dir, index) or {}
+            info = replica.read_info(self.run_dir, index, kind) or {}
             env = {"ASYNCRL_INFERENCE_PORT": str(_port(info.get("url"))),
                    "ASYNCRL_INCARNATION": str(self.restarts[role])}
         if self._vllm(role):
             port = int(env["ASYNCRL_INFERENCE_PORT"])
-            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, index, port)
+            self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, index, port, kind)
         elif self.hosts is not None and role != "orchestrator":
             self.procs[role] = self.hosts.start(role, threads, env)
         elif self.spare is not None and self.spare.poll() is None:
@@ -104,6 +113,7 @@ class Supervisor:
     def start_all(self) -> None:
         # (from an earlier launch) written anew once bound
         shutil.rmtree(RunDir(self.run_dir).replicas, ignore_errors=True)
+        shutil.rmtree(RunDir(self.run_dir).teachers, ignore_errors=True)
         RunDir(self.run_dir).trainer_info.unlink(missing_ok=True)
         RunDir(self.run_dir).failure.unlink(missing_ok=True)
         shutil.rmtree(RunDir(self.run_dir).heartbeats, ignore_errors=True)
@@ -121,9 +131,9 @@ class Supervisor:
         and host): copy that here, for the orchestrator."""
         if self.hosts is None or role == "orchestrator" or self._vllm(role):
             return
-        index = replica.index_of(role)
-        self.procs[role].sync_info(RunDir(self.run_dir).trainer_info if index is None
-                                   else RunDir(self.run_dir).replica(index))
+        server = replica.server_of(role)
+        self.procs[role].sync_info(RunDir(self.run_dir).trainer_info if server is None
+                                   else replica.info_path(self.run_dir, server[1], server[0]))
 
     def log_path(self, role: str) -> Path:
         return RunDir(self.run_dir).log(role)
@@ -164,7 +174,7 @@ class Supervisor:
         self.memory.sample(self.procs)
         for role, proc in list(self.procs.items()):
             code = proc.poll()
-            if code == 0 and replica.index_of(role) is None:
+            if code == 0 and role in ("trainer", "orchestrator"):  # (done; a server never ends on its own)
                 continue
             if code is None:
                 self.sync_info(role)
@@ -234,6 +244,9 @@ def memory_drivers(cfg: Config, role: str) -> str:
                 f"(rollout.prompts_per_step x rollout.group_size / trainer.minibatches) of up to {tokens} "
                 f"tokens ({what}): lower those, raise trainer.minibatches, or set "
                 "trainer.activation_checkpointing = true")
+    if replica.index_of(role, "teacher") is not None:
+        return (f"its memory is the teacher model ({cfg.teacher.path}) and one scoring forward of up to "
+                f"{tokens} tokens a row: lower teacher.max_concurrent or serve it in a smaller teacher.dtype")
     if replica.index_of(role) is not None:
         inf = cfg.inference
         return (f"its memory grows with the running batch: inference.max_batch_sequences = "

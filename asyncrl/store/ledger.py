@@ -256,9 +256,10 @@ def _scheduled(db) -> list[tuple[int, str, object]]:
     return [(step, key, json.loads(value)) for step, key, value in rows]
 
 
-def audit(run_dir: str | Path, max_staleness: int) -> dict:
+def audit(run_dir: str | Path, max_staleness: int, distilled: bool = False) -> dict:
     """Counts that prove nothing was lost or used twice; `problems` lists every violation found.
-    `max_staleness`: the run's configured bound (live changes to it are read from the ledger)."""
+    `max_staleness`: the run's configured bound (live changes to it are read from the ledger); `distilled`:
+    the run has a teacher, so every trained sample must carry its teacher's logprobs."""
     db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
     count = lambda sql, args=(): db.execute(sql, args).fetchone()[0]  # noqa: E731
     states = dict(db.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
@@ -308,8 +309,16 @@ def audit(run_dir: str | Path, max_staleness: int) -> dict:
             problems.append(f"version {step + 1} was trained on a batch other than the ledger's batch {step}")
     out["stale_samples_trained"] = stale
     # what the trainer actually read: no sample may be in two batch files
-    ids = [t.id for _, f in RunDir(run_dir).batch_files() for t in read_batch(f)]
+    read = [t for _, f in RunDir(run_dir).batch_files() for t in read_batch(f)]
+    ids = [t.id for t in read]
     out["trained_twice"] = len(ids) - len(set(ids))
+    if distilled:  # a token for a token: one teacher logprob per token, in the ledger and in the batch files
+        unscored = count("SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND json_array_length(data, "
+                         "'$.teacher_logprobs') IS NOT json_array_length(data, '$.tokens')")
+        unscored += sum(t.teacher_logprobs is None or len(t.teacher_logprobs) != len(t.tokens) for t in read)
+        out["trained_without_teacher"] = unscored
+        if unscored:
+            problems.append(f"{unscored} trained samples have no teacher logprobs for every token")
     if out["trained_twice"]:
         problems.append(f"{out['trained_twice']} samples appear in more than one batch")
     out["problems"] = problems

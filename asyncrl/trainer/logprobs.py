@@ -61,9 +61,11 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
     """(log π(target) per position, entropy per position), [B, T-1] each, padded with zeros; temperature as
     the engine sampled. Without `buckets` every row goes through one forward call (the trainer's ranks need
     the same number of calls each) and no prompt is shared. The entropy keeps its graph only when a bonus
-    needs its gradient."""
+    needs its gradient. A batch with "top_ids" ([B, T-1, k]: a teacher's top-k at each position) gets a
+    third tensor, log π of those ids [B, T-1, k], from the same logits."""
     lengths = batch["attention"].sum(-1).tolist()
-    shared = shared_prefixes(batch, lengths) if buckets and share_prefixes else []
+    # (a teacher's top-k ids may differ between rows over the same tokens, a hinted turn's say: not shared)
+    shared = shared_prefixes(batch, lengths) if buckets and share_prefixes and "top_ids" not in batch else []
     grouped = {r for _, members in shared for r in members}
     plain = [r for r in range(len(lengths)) if r not in grouped]
     parts = []  # (rows, logp, entropy)
@@ -75,7 +77,8 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
         parts.append(_shared_forward(model, batch, shared, lengths, temperature, entropy_grad, chunk_values))
     rows = [r for part in parts for r in part[0]]
     back = torch.tensor(rows, device=batch["tokens"].device).argsort()  # part order -> batch order
-    return torch.cat([p[1] for p in parts])[back], torch.cat([p[2] for p in parts])[back]
+    outputs = tuple(torch.cat([p[i] for p in parts])[back] for i in (1, 2, 3))
+    return outputs if "top_ids" in batch else outputs[:2]
 
 
 def _forward(model, batch, rows, lengths, temperature, entropy_grad, chunk_values):
@@ -84,15 +87,27 @@ def _forward(model, batch, rows, lengths, temperature, entropy_grad, chunk_value
     w = int(max(lengths[r] for r in rows))
     tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # (the last position predicts nothing)
+    targets = _with_top(batch, targets, idx[:, None], torch.arange(w, device=idx.device)[None])
     with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
         out = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
     return _outputs(out, batch["tokens"].shape[1] - 1, entropy_grad)
 
 
+def _with_top(batch: dict, targets: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[b, w] targets as [b, w, 1 + k] with the teacher's top-k ids at those positions, when the batch has
+    them (position p's ids are batch["top_ids"][:, p]); unchanged otherwise."""
+    if "top_ids" not in batch:
+        return targets
+    top = batch["top_ids"]
+    return torch.cat([targets[..., None], top[rows, cols.clamp(max=top.shape[1] - 1)]], -1)
+
+
 def _outputs(out: torch.Tensor, width: int, entropy_grad: bool):
+    """(logp, entropy, top-k logp) padded to `width` positions, from the head's [B, T, 1 + k + 1]."""
     pad = (0, width - out.shape[1])
-    entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
-    return torch.nn.functional.pad(out[..., 0], pad), torch.nn.functional.pad(entropy, pad)
+    entropy = out[..., -1] if entropy_grad else out[..., -1].detach()
+    top = torch.nn.functional.pad(out[..., 1:-1], (0, 0) + pad)
+    return torch.nn.functional.pad(out[..., 0], pad), torch.nn.functional.pad(entropy, pad), top
 
 
 def shared_prefixes(batch: dict, lengths: list[int]) -> list[tuple[int, list[int]]]:
@@ -132,20 +147,22 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
     first = torch.tensor([rows[0] for _, rows in shared], device=device)
     q_max = int(qs.max())
     prefix_attention = (torch.arange(q_max, device=device)[None] < qs[:, None]).long()
-    with chunked_head(model, tokens[first, 1:q_max + 1], temperature, entropy_grad, chunk_values):
+    prefix_targets = _with_top(batch, tokens[first, 1:q_max + 1], first[:, None],
+                               torch.arange(q_max, device=device)[None])
+    with chunked_head(model, prefix_targets, temperature, entropy_grad, chunk_values):
         prefix = model(input_ids=tokens[first, :q_max], attention_mask=prefix_attention, use_cache=True)
     cache_arg = kv.cache_kwarg(model)
     prefix_kv = kv.tensors(prefix[cache_arg])
     members = [(g, r) for g, (_, rows) in enumerate(shared) for r in rows]
     own = [lengths[r] - shared[g][0] for g, r in members]  # tokens after the shared part, >= 1
-    order, logp_rows, entropy_rows = [], [], []
+    order, logp_rows, entropy_rows, top_rows = [], [], [], []
     for run in length_buckets(own):
         groups = torch.tensor([members[i][0] for i in run], device=device)
         rows = torch.tensor([members[i][1] for i in run], device=device)
         cols = qs[groups][:, None] + torch.arange(max(own[i] for i in run), device=device)[None]
         valid = cols < torch.tensor([lengths[members[i][1]] for i in run], device=device)[:, None]
         ids = tokens[rows[:, None], cols.clamp(max=width)]
-        targets = tokens[rows[:, None], (cols + 1).clamp(max=width)]
+        targets = _with_top(batch, tokens[rows[:, None], (cols + 1).clamp(max=width)], rows[:, None], cols)
         cache = kv.build([(k[groups], v[groups]) for k, v in prefix_kv], model.config, spare=None)
         with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
             out = model(input_ids=ids, attention_mask=torch.cat([prefix_attention[groups], valid.long()], 1),
@@ -153,24 +170,28 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
         for j, i in enumerate(run):  # the shared positions' outputs, then the row's own
             g, r = members[i]
             row = torch.cat([prefix.logits[g, :shared[g][0]], out[j, :own[i] - 1]])
-            logp, entropy = _outputs(row[None], width, entropy_grad)
+            logp, entropy, top = _outputs(row[None], width, entropy_grad)
             order.append(r)
             logp_rows.append(logp)
             entropy_rows.append(entropy)
-    return order, torch.cat(logp_rows), torch.cat(entropy_rows)
+            top_rows.append(top)
+    return order, torch.cat(logp_rows), torch.cat(entropy_rows), torch.cat(top_rows)
 
 
 @contextlib.contextmanager
 def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad: bool, chunk_values: int):
     """Within the block the model's output layer returns [B, T, 2] — each position's log π(target) and
-    entropy — instead of [B, T, V] logits. It stays the model's own layer, called inside the model's
-    forward (so FSDP has its weight gathered), and works through chunks of positions, each (when there
-    are several) under activation checkpointing: only the hidden states are kept for the backward pass."""
+    entropy — instead of [B, T, V] logits ([B, T, K + 1] for targets [B, T, K]: log π of each). It stays
+    the model's own layer, called inside the model's forward (so FSDP has its weight gathered), and works
+    through chunks of positions, each (when there are several) under activation checkpointing: only the
+    hidden states are kept for the backward pass."""
     head = model.get_output_embeddings()
     chunk = max(1, chunk_values // head.weight.shape[0])
 
+    per_position = targets.shape[2] if targets.dim() == 3 else 1
+
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1, per_position)
         parts = []
         for lo in range(0, flat.shape[0], chunk):
             h, t = flat[lo:lo + chunk], flat_targets[lo:lo + chunk]
@@ -179,7 +200,7 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
                                         use_reentrant=False))
             else:
                 parts.append(_head_chunk(head.weight, head.bias, h, t, temperature, entropy_grad))
-        return torch.cat(parts).reshape(*hidden.shape[:-1], 2)
+        return torch.cat(parts).reshape(*hidden.shape[:-1], per_position + 1)
 
     head.forward = forward  # (an instance attribute shadows the class's forward until deleted)
     try:
@@ -189,11 +210,12 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
 
 
 def _head_chunk(weight, bias, hidden, targets, temperature: float, entropy_grad: bool) -> torch.Tensor:
-    """[n, 2]: log π(target) and the entropy at n positions, from their logits in float32."""
+    """[n, K + 1]: log π of each of the K targets and the entropy at n positions, from their logits in
+    float32."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - norm
+    logp = logits.gather(-1, targets) - norm[:, None]
     source = logits if entropy_grad else logits.detach()
     probs = torch.softmax(source, dim=-1)
     entropy = (norm if entropy_grad else norm.detach()) - (probs * source).sum(-1)
-    return torch.stack([logp, entropy], dim=-1)
+    return torch.cat([logp, entropy[:, None]], dim=-1)

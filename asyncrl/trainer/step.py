@@ -34,6 +34,7 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
     return {
+        **_teacher_fields(trajs, pad),
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "groups": torch.tensor([group_ids[t.group_id] for t in trajs], dtype=torch.long),
         "tokens": tokens,
@@ -44,6 +45,29 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
         "advantages": pad("advantages", 0.0, torch.float32)[:, 1:],
         "staleness": torch.where(mask > 0, version - versions, 0).float(),
     }
+
+
+def _teacher_fields(trajs: list[Trajectory], pad) -> dict[str, torch.Tensor]:
+    """On-policy distillation's per-token fields, shifted like the others: the teacher's logprob of each
+    token, and its top-k ids and logprobs (teacher.top_k). {} for a batch without a teacher."""
+    scored = sum(t.teacher_logprobs is not None for t in trajs)
+    if scored == 0:
+        return {}
+    if scored < len(trajs):  # (the orchestrator batches only scored samples: a batch file from elsewhere)
+        raise ContractError(f"{len(trajs) - scored} of the batch's {len(trajs)} samples have no "
+                            "teacher_logprobs")
+    out = {"teacher": pad("teacher_logprobs", 0.0, torch.float32)[:, 1:]}
+    if all(t.teacher_top is not None for t in trajs):
+        k = max((len(top[0]) for t in trajs for top in t.teacher_top if top), default=0)
+        width = max(len(t.tokens) for t in trajs)
+        ids = torch.zeros(len(trajs), width, k, dtype=torch.long)
+        logps = torch.full((len(trajs), width, k), -torch.inf)
+        for row, t in enumerate(trajs):
+            for pos, top in enumerate(t.teacher_top):
+                if top:
+                    ids[row, pos], logps[row, pos] = torch.tensor(top[0]), torch.tensor(top[1])
+        out.update(top_ids=ids[:, 1:], teacher_top=logps[:, 1:])
+    return out
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -88,12 +112,14 @@ def _rows(batch: dict, rows: slice) -> dict:
 def group_logprobs(model, batch: dict, temperature: float, ranks: Ranks, entropy_grad: bool = False,
                    share_prefixes: bool = True):
     """token_logprobs of every row of `batch`, each rank computing its own share and all of them gathered
-    in order (with their gradient). Over several ranks each rank makes one forward call: FSDP gathers the
-    weights in every call, so every rank must make the same number."""
+    in order (with their gradient): (logp, entropy, log π of the teacher's top-k ids or None). Over several
+    ranks each rank makes one forward call: FSDP gathers the weights in every call, so every rank must make
+    the same number."""
     n = batch["tokens"].shape[0]
-    logp, entropy = token_logprobs(model, _rows(batch, ranks.rows(n)), temperature, entropy_grad,
-                                   buckets=ranks.size == 1, share_prefixes=share_prefixes)
-    return ranks.gather_rows(logp, n), ranks.gather_rows(entropy, n)
+    outputs = token_logprobs(model, _rows(batch, ranks.rows(n)), temperature, entropy_grad,
+                             buckets=ranks.size == 1, share_prefixes=share_prefixes)
+    gathered = [ranks.gather_rows(x, n) for x in outputs]
+    return gathered[0], gathered[1], gathered[2] if len(gathered) > 2 else None
 
 
 def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
@@ -164,7 +190,7 @@ def warm_up(model, cfg, pad_id: int, ranks: Ranks, prompt_tokens: int = 24) -> N
                                     [-1] * prompt_tokens + [0] * len(answer)))
     batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version=0).items()}
     with torch.random.fork_rng(devices=[]):
-        logp, _ = group_logprobs(model, batch, ro.temperature, ranks,
+        logp, _, _ = group_logprobs(model, batch, ro.temperature, ranks,
                                  share_prefixes=cfg.trainer.share_prefixes)
         (logp * batch["mask"]).sum().backward()
     model.zero_grad(set_to_none=True)
@@ -197,8 +223,8 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model, ranks: Ranks):
     """(this rank's part of the loss, with its graph; the whole loss; logp; entropy; objective metrics) of
     one minibatch: forward, objective, KL and entropy terms. The objective sees every row on every rank."""
     obj, temperature = cfg.objective, cfg.rollout.temperature
-    logp, entropy = group_logprobs(model, mb, temperature, ranks, entropy_grad=obj.entropy_coef > 0,
-                                   share_prefixes=cfg.trainer.share_prefixes)
+    logp, entropy, top_logp = group_logprobs(model, mb, temperature, ranks, entropy_grad=obj.entropy_coef > 0,
+                                             share_prefixes=cfg.trainer.share_prefixes)
     if "prox" in mb:
         prox = mb["prox"]
     elif obj.prox == "loglinear":
@@ -206,7 +232,7 @@ def _minibatch_loss(model, objective, mb: dict, cfg, ref_model, ranks: Ranks):
     else:
         prox = logp.detach()
     inp = LossInputs(logp, mb["behav"], prox, mb["advantages"], mb["mask"], mb["staleness"],
-                     mb["rewards"], mb["groups"])
+                     mb["rewards"], mb["groups"], mb.get("teacher"), mb.get("teacher_top"), top_logp)
     try:
         result = objective(inp, obj)
     except Exception as e:  # the same batch after a restart raises the same way: say so once, stop
