@@ -87,7 +87,7 @@ def test_example_recipes_load():
     from pathlib import Path
 
     examples = Path(__file__).parent.parent / "examples"
-    for path in sorted(examples.glob("*.toml")):
+    for path in sorted(examples.rglob("*.toml")):  # (agents/ too)
         load_config(path)
     # the spelled-out demo is the defaults (else it would warm-start a policy of its own)
     spelled, defaults = load_config(examples / "tiny_default.toml"), load_config()

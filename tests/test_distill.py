@@ -1,6 +1,7 @@
 """On-policy distillation: a teacher's scores are a plain forward of the teacher; a student trained on them
 gets better; a teacher SIGKILLed mid-run is restarted and no sample is trained without its scores; a
 teacher that cannot work is refused before anything starts."""
+import asyncio
 import json
 import subprocess
 import sys
@@ -109,3 +110,50 @@ def test_an_external_teacher_without_its_token_is_refused(tiny_model, tmp_path):
         check_teacher(missing)
     with pytest.raises(ConfigError, match="set teacher.path"):
         load_config(overrides={"objective": {"name": "opd"}})
+
+
+def test_a_hinted_turn_is_scored_with_its_hint_in_the_teachers_context(tiny_model, tmp_path):
+    """Hindsight: an episode's first turn carries a hint of what came next; the teacher scores that turn
+    after the hint, and every other sampled token in the episode's own context."""
+    from asyncrl.agents.episode import Episode, Limits
+    from asyncrl.observe.events import EventLog
+    from asyncrl.orchestrator.teacher import Teacher
+    from asyncrl.rundir import RunDir
+    from asyncrl.trajectory import Trajectory
+
+    model, tokenizer = load_policy(tiny_model)
+    ep = Episode(Limits(max_turns=4, max_tokens=64, max_tokens_per_turn=8))
+    with pytest.raises(ValueError, match="not taken a turn"):
+        ep.hint("too early")
+    ep.add_context([5, 17, 40, 3])
+    ep.add_sampled([99, 12], [-0.5, -0.6], [0, 0])
+    ep.add_context([7, 8])
+    ep.hint("(this guess leaves 9-15) ")  # about the first turn: the latest sampled one
+    ep.add_sampled([30, 31, 32], [-0.1] * 3, [0] * 3)
+    traj = Trajectory("0-0", "0", "t", 0, ep.tokens, ep.loss_mask, ep.logprobs, ep.versions,
+                      info={"hints": ep.hints})
+    hint_ids = tokenizer.encode("(this guess leaves 9-15) ", add_special_tokens=False)
+
+    def forward(seq: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, :-1].float(), -1)
+
+    with inference_server(tmp_path, tiny_model) as (url, run_dir):
+        cfg = job_config(tmp_path, tiny_model, **{"teacher.path": tiny_model, "teacher.url": url,
+                                                  "teacher.token_file": str(RunDir(run_dir).token)})
+        teacher = Teacher(cfg, run_dir, tokenizer, EventLog(run_dir, "test"))
+
+        async def score() -> None:
+            try:
+                await teacher.score([traj])
+            finally:
+                await teacher.close()
+
+        asyncio.run(score())
+    plain, hinted = forward(ep.tokens), forward(ep.tokens[:4] + hint_ids + ep.tokens[4:6])
+    h = len(hint_ids)
+    want = [0.0] * 4 + [hinted[3 + h + i, tok].item() for i, tok in enumerate(ep.tokens[4:6])] + [0.0] * 2 \
+        + [plain[8 + i - 1, tok].item() for i, tok in enumerate(ep.tokens[8:])]
+    assert traj.teacher_logprobs == pytest.approx(want, abs=1e-4)
+    unhinted = [plain[3 + i, tok].item() for i, tok in enumerate(ep.tokens[4:6])]
+    assert traj.teacher_logprobs[4:6] != pytest.approx(unhinted, abs=1e-3)  # the hint changed the scores

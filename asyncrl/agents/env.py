@@ -24,6 +24,9 @@ class Step:
     observation: str | list[dict] | None = None
     reward: float = 0.0
     done: bool = False
+    # hindsight distillation: what the teacher may know when it scores the turn just played (e.g. the
+    # outcome the observation reveals); the policy never sees it (docs/distillation.md)
+    hint: str | None = None
 
 
 class Environment:
@@ -59,6 +62,8 @@ def env_agent(env_class: type[Environment]):
             step = await env.step(reply)
             steps += 1
             ctx.reward(step.reward)
+            if step.hint is not None:
+                ctx.hint(step.hint)
             if step.done or (env.max_turns is not None and steps >= env.max_turns):
                 return ctx.turn_rewards
             messages += _messages(step.observation or "")

@@ -40,6 +40,9 @@ class Episode:
     finish_reason: str | None = None
     truncated: str | None = None  # why the episode hit a limit
     server_lost: bool = False   # a call found the inference server gone: the episode must be redone
+    last_turn: tuple[int, int] | None = None  # where the policy's latest sampled span lies in `tokens`
+    # hindsight distillation: {"start", "end", "text"} per turn given a hint (asyncrl/orchestrator/teacher.py)
+    hints: list[dict] = field(default_factory=list)
 
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -48,6 +51,7 @@ class Episode:
         self.versions += [-1] * len(ids)
 
     def add_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.last_turn = (len(self.tokens), len(self.tokens) + len(ids))
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
@@ -67,6 +71,18 @@ class Episode:
     def _limit(self, why: str):
         self.truncated = why
         raise EpisodeLimit(f"episode limit: {why}")
+
+    def hint(self, text: str) -> None:
+        """A hint for the teacher about the policy's latest turn, built from what came after it (on-policy
+        distillation in hindsight: the teacher scores that turn with the hint in its context)."""
+        if self.last_turn is None:
+            raise ValueError("ctx.hint(): the policy has not taken a turn yet, so there is nothing to hint")
+        if not isinstance(text, str):
+            raise TypeError(f"ctx.hint() takes text, got {type(text).__name__}")
+        start, end = self.last_turn
+        if end > start:
+            self.hints = [h for h in self.hints if h["start"] != start] + [{"start": start, "end": end,
+                                                                           "text": text}]
 
     @property
     def sampled_tokens(self) -> int:

@@ -182,6 +182,12 @@ class AgentContext:
             return {"role": "tool", "tool_call_id": call.get("id"), "content": result.text}
         return list(await asyncio.gather(*(one(c) for c in tool_calls)))
 
+    def hint(self, text: str) -> None:
+        """A hint from what came after the turn just played (a tool's reply, the user's answer): with a
+        teacher (teacher.path), that turn is scored with the hint in the teacher's context, never the
+        policy's (docs/distillation.md). The last hint given for a turn is the one used."""
+        self.episode.hint(text)
+
     def reward(self, value: float) -> None:
         """Reward for the turn just played (the episode's reward is their sum)."""
         self.episode.turn_rewards.append(float(value))

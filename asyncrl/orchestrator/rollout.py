@@ -104,6 +104,7 @@ async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
                     "tool_errors": sum(c["error"] is not None for c in ep.tool_calls),
                     "tool_seconds": round(sum(c["seconds"] for c in ep.tool_calls), 4),
                     "generate_seconds": out.seconds,
+                    **({"hints": ep.hints} if ep.hints else {}),
                 },
             )
         )

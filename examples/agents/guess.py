@@ -78,3 +78,15 @@ class GuessWithRules(Guess):
             "I reply "
             "with the range that is still possible. Range: " + await super().reset(task)
         )
+
+
+class GuessHindsight(Guess):
+    """The game with hindsight for on-policy distillation (OpenClaw-RL's hindsight OPD): after a wrong
+    guess, the teacher scores it knowing the range that guess led to; the policy sees only what it saw
+    before (examples/agents/guess_hindsight_tiny.toml)."""
+
+    async def step(self, reply: dict) -> Step:
+        step = await super().step(reply)
+        if not step.done:
+            step.hint = f"(this guess leaves {step.observation}) "
+        return step
