@@ -16,6 +16,7 @@ from asyncrl.run.chaos import Chaos, steps_recorded
 from asyncrl.run.processes import start_role, stop, wait_for_replica
 from asyncrl.rundir import RunDir
 from asyncrl.store.checkpoint import valid_steps
+from asyncrl.store.ledger import audit
 
 pytestmark = pytest.mark.e2e
 
@@ -72,19 +73,25 @@ def test_replica_killed_and_replica_joining_mid_run(tiny_model, tmp_path, record
 def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp_path, ray_cluster, record):
     """Run.launcher ray: the trainer in an actor on the driver's node, two replicas pinned to the simulated
     node `node_b`, each with only its own scratch directory (its config names that directory as the run's),
-    so every version reaches them through Ray's object store. One is SIGKILLed mid-run."""
+    so every version reaches them through Ray's object store. One is SIGKILLed mid-run. A teacher
+    (on-policy distillation, objective rl_opd) runs in an actor on `node_b` too and scores every sample."""
     run_dir = tmp_path / "runs" / "job"
     proc = train_cli(tmp_path, tiny_model, **{"run.launcher": "ray", "run.ray_address": ray_cluster,
                                               "inference.ray_resources": "{node_b = 1}",
+                                              "teacher.path": tiny_model,
+                                              "teacher.ray_resources": "{node_b = 1}",
+                                              "objective.name": "rl_opd", "objective.opd_coef": 0.1,
                                               "trainer.publish_patches": True, "run.steps": STEPS,
                                               "task.eval_every": STEPS, "trainer.checkpoint_every": 20})
     chaos = Chaos(run_dir, [("inference-0", 2)], seed=5)
     chaos.start()
     out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 0, out[-3000:]
-    assert "ray: placed the trainer's 1 rank(s) and 2 inference replica(s)" in out
+    assert "ray: placed the trainer's 1 rank(s), 2 inference replica(s) and 1 teacher(s)" in out
     infos = [json.loads(RunDir(run_dir).replica(i).read_text()) for i in range(2)]
     assert all(info["actor"].startswith("job.inference-") for info in infos)
+    assert json.loads(RunDir(run_dir).teacher(0).read_text())["actor"].startswith("job.teacher-0")
+    assert audit(run_dir, 1, distilled=True)["trained_without_teacher"] == 0
     events = read_events(run_dir)
     [served] = [e["version"] for e in events if e["event"] == "inference_recovered" and e["replica"] == 0]
     record("steps_left_at_inference_recovered", STEPS - served, threshold=0)

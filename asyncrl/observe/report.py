@@ -54,7 +54,26 @@ def summarize(steps: list[dict], evals: list[dict]) -> dict:
             3,
         ),
         **profile_summary(profile(last)),
+        **teacher_summary(steps, head, tail),
     }
+
+
+def teacher_summary(steps: list[dict], head: list[dict], tail: list[dict]) -> dict:
+    """On-policy distillation: the reverse KL to the teacher at the start and the end, and what the teacher
+    cost: its busy share of its uptime, the seconds a group waited for its scores, and their share of the
+    time from a sample's request to its scores."""
+    if "teacher_share" not in steps[-1]:
+        return {}
+    mean = lambda rows, key: sum(r.get(key, 0) for r in rows) / len(rows)  # noqa: E731
+    last = steps[-1]
+    out = {"teacher_busy_fraction": last.get("teacher_busy"),
+           "teacher_seconds_per_group": round(mean(steps, "teacher_seconds_mean"), 4),
+           "teacher_share_of_sample_time": round(mean(steps, "teacher_share"), 3),
+           "teacher_retries": last.get("teacher_retries", 0)}
+    if "reverse_kl" in last:
+        out.update(reverse_kl_first_20pct=round(mean(head, "reverse_kl"), 4),
+                   reverse_kl_last_20pct=round(mean(tail, "reverse_kl"), 4))
+    return out
 
 
 def profile(record: dict) -> dict[str, dict[str, float]]:
@@ -73,7 +92,8 @@ def profile(record: dict) -> dict[str, dict[str, float]]:
             phases["http_and_bookkeeping"] = max(0.0, cpu - sum(phases.values()))
             phases["off_cpu"] = max(0.0, (uptime or cpu) - cpu)
         elif uptime is not None:
-            phases["idle" if role == "inference" else "other"] = max(0.0, uptime - sum(phases.values()))
+            rest = "idle" if role in ("inference", "teacher") else "other"  # (servers wait for requests)
+            phases[rest] = max(0.0, uptime - sum(phases.values()))
     return roles
 
 
@@ -210,6 +230,8 @@ def write_report(run_dir: str | Path) -> dict:
         cfg = read_run_config(run_dir)
         summary["threads"] = (
             f"inference {cfg.role_threads('inference')} / trainer {cfg.role_threads('trainer')}"
+            + (f" / teacher {cfg.role_threads('teacher')} x {cfg.teacher.started_here}"
+               if cfg.teacher.started_here else "")
         )
     if steps:
         plot(steps, evals, RunDir(run_dir).report_png, f"asyncrl run {run_dir.name}", read_changes(run_dir))
