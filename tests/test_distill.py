@@ -3,6 +3,7 @@ gets better; a teacher SIGKILLed mid-run is restarted and no sample is trained w
 teacher that cannot work is refused before anything starts."""
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -99,6 +100,16 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tiny_model, cal
         check_teacher(cfg)
     message = str(refused.value)
     assert calc_model in message and tiny_model in message and "cross-tokenizer" in message
+
+
+def test_a_teacher_whose_context_cannot_hold_a_sample_is_refused(tiny_model, tmp_path):
+    short = tmp_path / "short"
+    shutil.copytree(tiny_model, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    cfg = job_config(tmp_path, tiny_model, **{"teacher.path": str(short), "objective.name": "opd"})
+    with pytest.raises(ConfigError, match="16 positions"):
+        check_teacher(cfg)
 
 
 def test_an_external_teacher_without_its_token_is_refused(tiny_model, tmp_path):

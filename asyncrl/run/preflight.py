@@ -151,6 +151,7 @@ def check_teacher(cfg: Config) -> None:
         check_model(Path(teacher.path), "teacher.path")
     else:
         _check_hub_model(teacher.path, "teacher.path")
+    _check_teacher_context(cfg)
     student, theirs = _vocabulary(cfg.model.path), _vocabulary(teacher.path)
     if student != theirs:
         differ = sorted(set(student.items()) ^ set(theirs.items()))
@@ -159,6 +160,20 @@ def check_teacher(cfg: Config) -> None:
             f"{cfg.model.path!r} ({len(theirs)} tokens against {len(student)}; {len(differ)} token/id pairs "
             f"differ, e.g. {differ[:3]}): distillation compares the logprobs of the same token ids, so the "
             "teacher must share the student's tokenizer (cross-tokenizer distillation is out of scope)")
+
+
+def _check_teacher_context(cfg: Config) -> None:
+    """The teacher scores whole samples: the longest must fit its context too."""
+    from asyncrl.run.sizes import longest_sequence, model_config
+
+    if not Path(cfg.teacher.path).is_dir():
+        return  # a hub name: its config is read when the teacher loads it
+    context = (model_config(Path(cfg.teacher.path)) or {}).get("max_position_embeddings")
+    tokens, what = longest_sequence(cfg)
+    if context and tokens > context:
+        raise ConfigError(f"teacher.path = {cfg.teacher.path!r} holds {context} positions "
+                          f"(max_position_embeddings), fewer than a sample's {tokens} tokens ({what}): it "
+                          "could not score whole samples")
 
 
 def _vocabulary(path: str) -> dict[str, int]:

@@ -21,7 +21,7 @@ GIB = 2**30
 
 
 def check_sizes(cfg: Config) -> None:
-    model = _model_config(Path(cfg.model.path))
+    model = model_config(Path(cfg.model.path))
     if model is not None:
         _check_context(cfg, model)
     if cfg.inference.engine == "builtin":
@@ -30,7 +30,7 @@ def check_sizes(cfg: Config) -> None:
         _check_memory(cfg, model, available_memory())
 
 
-def _model_config(path: Path) -> dict | None:
+def model_config(path: Path) -> dict | None:
     """A local model's config.json (its text model's, for a multimodal one); None for a hub name."""
     try:
         config = json.loads((path / "config.json").read_text())
