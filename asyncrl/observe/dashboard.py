@@ -59,27 +59,35 @@ def routes(orch, token: str) -> list:
         body = orjson.dumps({"records": records, "offset": tail.offset})
         return web.Response(body=body, content_type="application/json")
 
+    restarts = RestartCount(RunDir(orch.run_dir).events)
+
     async def roles(request: web.Request) -> web.Response:
-        return web.json_response(role_status(orch.run_dir))
+        return web.json_response(role_status(orch.run_dir, restarts.counts()))
 
     return [web.get("/", page), web.get("/static/{name:.+}", static), web.get("/metrics", metrics),
             web.get("/roles", roles)]
 
 
-def role_status(run_dir: Path) -> list[dict]:
+class RestartCount:
+    """Restarts per role, from events.jsonl read on from where the last poll stopped: a page polls every
+    few seconds, and reading the whole file each time grew with the run's length."""
+
+    def __init__(self, events: Path):
+        self.tail, self.restarts = Tail(events, from_end=False), {}
+
+    def counts(self) -> dict[str, int]:
+        for record in self.tail.records():
+            if record.get("event") == "role_restarted":
+                target = record.get("target")
+                self.restarts[target] = self.restarts.get(target, 0) + 1
+        return self.restarts
+
+
+def role_status(run_dir: Path, restarts: dict[str, int]) -> list[dict]:
     """pid, seconds since the last heartbeat, and restarts, per role the launcher started."""
     try:
         pids = json.loads((RunDir(run_dir).pids).read_text())
     except (OSError, ValueError):
         pids = {}
-    restarts: dict[str, int] = {}
-    try:
-        with open(RunDir(run_dir).events) as f:
-            for line in f:
-                if '"role_restarted"' in line:
-                    target = json.loads(line).get("target")
-                    restarts[target] = restarts.get(target, 0) + 1
-    except OSError:
-        pass
     return [{"role": role, "pid": pid, "heartbeat_age": heartbeat.age(run_dir, role),
              "restarts": restarts.get(role, 0)} for role, pid in sorted(pids.items())]
