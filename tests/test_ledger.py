@@ -1,4 +1,5 @@
 """The sample ledger: states, commits, what a restart rebuilds, and the audit that catches violations."""
+import json
 import sqlite3
 
 from asyncrl.store.ledger import Ledger, audit
@@ -76,13 +77,15 @@ def test_metrics_are_a_projection_of_the_ledger(tmp_path):
         led.batch(step, led.ready_groups()[0], {"reward": 1.0})
         led.record_step(step + 1, {"step": step, "version": step + 1})
     led.record_eval({"eval_version": 2, "eval_accuracy": 0.5})
-    assert [r.get("step", r.get("eval_version")) for r in led.metrics()] == [0, 0, 1, 2]
+    lines = led.metrics_lines()
+    assert [r.get("step", r.get("eval_version")) for r in map(json.loads, lines)] == [0, 0, 1, 2]
     assert led.get("served_version") == 2
     led.record_eval({"eval_version": 2, "eval_accuracy": 0.6})  # a restarted orchestrator evaluates v2 again
     led.close()
     again = Ledger(tmp_path)  # what a restarted orchestrator rewrites metrics.jsonl from
-    assert again.metrics() == [{"eval_version": 0, "eval_accuracy": 0.4}, {"step": 0, "version": 1},
-                               {"step": 1, "version": 2}, {"eval_version": 2, "eval_accuracy": 0.6}]
+    assert [json.loads(line) for line in again.metrics_lines()] == [
+        {"eval_version": 0, "eval_accuracy": 0.4}, {"step": 0, "version": 1},
+        {"step": 1, "version": 2}, {"eval_version": 2, "eval_accuracy": 0.6}]
 
 
 def test_an_event_that_keeps_happening_is_counted_not_repeated(tmp_path):

@@ -109,7 +109,7 @@ class Orchestrator:
                 self._write_batch(step, led.batch_samples(step))
         self.committed_through = 0  # (from the trainer's checkpoints: _connect_trainer)
         # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
-        write_atomic(RunDir(self.run_dir).metrics, "".join(json.dumps(r) + "\n" for r in led.metrics()))
+        write_atomic(RunDir(self.run_dir).metrics, "".join(line + "\n" for line in led.metrics_lines()))
         self.metrics = open(RunDir(self.run_dir).metrics, "a")
         self.last_gen = (time.monotonic(), None)
         self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()

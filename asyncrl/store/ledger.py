@@ -33,9 +33,13 @@ CREATE TABLE IF NOT EXISTS samples (
     id TEXT PRIMARY KEY, prompt_id INTEGER NOT NULL, state TEXT NOT NULL, step INTEGER,
     position INTEGER, oldest_version INTEGER, reward REAL, reason TEXT, data TEXT);
 CREATE INDEX IF NOT EXISTS samples_state ON samples (state, step);
+CREATE INDEX IF NOT EXISTS samples_prompt ON samples (prompt_id, state);
+CREATE INDEX IF NOT EXISTS samples_step ON samples (step, position);
+CREATE INDEX IF NOT EXISTS prompts_state ON prompts (state);
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY, state TEXT NOT NULL, digest TEXT NOT NULL, stats TEXT NOT NULL,
     metrics TEXT);
+CREATE INDEX IF NOT EXISTS steps_state ON steps (state, step);
 CREATE TABLE IF NOT EXISTS evals (version INTEGER PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS changes (
@@ -120,8 +124,10 @@ class Ledger:
     def live_groups(self) -> int:
         """Groups holding a staleness-gate slot: in flight, or with samples that will be trained."""
         return self._one(
-            "SELECT (SELECT COUNT(*) FROM prompts WHERE state = 'in_flight') + "
-            "(SELECT COUNT(DISTINCT prompt_id) FROM samples WHERE state IN ('ready', 'batched', 'committed'))"
+            # (one pass over samples_prompt in prompt order: no temporary B-tree of every prompt id)
+            "SELECT (SELECT COUNT(*) FROM prompts WHERE state = 'in_flight') + (SELECT COUNT(DISTINCT "
+            "prompt_id) FROM samples INDEXED BY samples_prompt "
+            "WHERE state IN ('ready', 'batched', 'committed'))"
         )[0]
 
     # --- samples and batches ------------------------------------------------------------
@@ -223,17 +229,12 @@ class Ledger:
             [("INSERT OR REPLACE INTO evals VALUES (?, ?)", (record["eval_version"], json.dumps(record)))]
         )
 
-    def metrics(self) -> list[dict]:
+    def metrics_lines(self) -> list[str]:
         """metrics.jsonl's lines, in order: each recorded step, and each evaluation after the step it
-        follows."""
-        steps = [
-            json.loads(r[0])
-            for r in self.db.execute("SELECT metrics FROM steps WHERE metrics IS NOT NULL ORDER BY step")
-        ]
-        evals = [json.loads(r[0]) for r in self.db.execute("SELECT record FROM evals ORDER BY version")]
-        return sorted(
-            steps + evals, key=lambda r: (r.get("version", r.get("eval_version")), "eval_version" in r)
-        )
+        follows. The stored JSON text itself: a resume of a long run neither parses nor re-encodes it."""
+        return [line for (line,) in self.db.execute(
+            "SELECT line FROM (SELECT step + 1 AS version, 0 AS eval, metrics AS line FROM steps WHERE "
+            "metrics IS NOT NULL UNION ALL SELECT version, 1, record FROM evals) ORDER BY version, eval")]
 
 
 def read_changes(run_dir: str | Path) -> list[dict]:
@@ -297,30 +298,49 @@ def audit(run_dir: str | Path, max_staleness: int, distilled: bool = False) -> d
     stale = sum(1 for step, oldest in trained if step - oldest > bound.get(step, max_staleness))
     if stale:
         problems.append(f"{stale} trained samples exceed max_staleness = {max_staleness}")
-    batches: dict[int, list[str]] = {}  # one sorted pass, not a scan per step (no index on step alone)
-    trained_ids = db.execute("SELECT step, id FROM samples WHERE step IS NOT NULL ORDER BY step, position")
-    for step, sample_id in trained_ids:
-        batches.setdefault(step, []).append(sample_id)
-    for step, digest in db.execute("SELECT step, digest FROM steps").fetchall():
-        if batch_digest(batches.get(step, [])) != digest:
-            problems.append(f"batch {step} in the ledger does not match its digest")
-        marker = weights.read_marker(run_dir, step + 1)
-        if marker is not None and marker.get("batch_digest") != digest:
-            problems.append(f"version {step + 1} was trained on a batch other than the ledger's batch {step}")
     out["stale_samples_trained"] = stale
-    # what the trainer actually read: no sample may be in two batch files
-    read = [t for _, f in RunDir(run_dir).batch_files() for t in read_batch(f)]
-    ids = [t.id for t in read]
-    out["trained_twice"] = len(ids) - len(set(ids))
+    batch_problems, out["trained_twice"], unscored_in_files = _check_batches(db, run_dir, distilled)
+    problems += batch_problems
     if distilled:  # a token for a token: one teacher logprob per token, in the ledger and in the batch files
         unscored = count("SELECT COUNT(*) FROM samples WHERE step IS NOT NULL AND json_array_length(data, "
                          "'$.teacher_logprobs') IS NOT json_array_length(data, '$.tokens')")
-        unscored += sum(t.teacher_logprobs is None or len(t.teacher_logprobs) != len(t.tokens) for t in read)
-        out["trained_without_teacher"] = unscored
-        if unscored:
-            problems.append(f"{unscored} trained samples have no teacher logprobs for every token")
+        out["trained_without_teacher"] = unscored + unscored_in_files
+        if out["trained_without_teacher"]:
+            problems.append(f"{out['trained_without_teacher']} trained samples have no teacher logprobs for "
+                            "every token")
     if out["trained_twice"]:
         problems.append(f"{out['trained_twice']} samples appear in more than one batch")
     out["problems"] = problems
     db.close()
     return out
+
+
+def _check_batches(db, run_dir: str | Path, distilled: bool) -> tuple[list[str], int, int]:
+    """Each batch against its digest, the digest its version was trained on, and the file the trainer read,
+    a batch at a time in step order (memory stays one batch's at any run length). Returns the problems,
+    the samples in batch files that their step's ledger batch does not hold (a sample trained twice), and
+    with `distilled` the file samples without a teacher logprob per token."""
+    problems, extra, unscored = [], 0, 0
+    digests = dict(db.execute("SELECT step, digest FROM steps").fetchall())
+    files = dict(RunDir(run_dir).batch_files())
+    rows = db.execute("SELECT step, id FROM samples WHERE step IS NOT NULL ORDER BY step, position")
+    ledger = ((step, [i for _, i in group]) for step, group in itertools.groupby(rows, key=lambda r: r[0]))
+    current = next(ledger, None)
+    for step in sorted(digests.keys() | files.keys()):
+        while current is not None and current[0] < step:
+            current = next(ledger, None)
+        ids = current[1] if current is not None and current[0] == step else []
+        if step in digests:
+            if batch_digest(ids) != digests[step]:
+                problems.append(f"batch {step} in the ledger does not match its digest")
+            marker = weights.read_marker(run_dir, step + 1)
+            if marker is not None and marker.get("batch_digest") != digests[step]:
+                problems.append(f"version {step + 1} was trained on a batch other than the ledger's "
+                                f"batch {step}")
+        if step in files:
+            read = read_batch(files[step])
+            extra += len(read) - len({t.id for t in read} & set(ids))
+            if distilled:
+                unscored += sum(t.teacher_logprobs is None or len(t.teacher_logprobs) != len(t.tokens)
+                                for t in read)
+    return problems, extra, unscored
