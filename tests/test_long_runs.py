@@ -20,7 +20,7 @@ def a_step(led: Ledger, step: int, prompts: int = 4) -> None:
     led.drop_group(led.ready_groups()[-1], "too_stale")
     led.batch(step, [t for g in led.ready_groups() for t in g], {})
     led.record_step(step + 1, {"step": step, "version": step + 1})
-    led.commit_through(step + 1)
+    led.commit_through(step + 1, prune_below=step)  # (run.prune_trained: the oldest kept checkpoint)
 
 
 def test_every_statement_of_a_step_searches_an_index(tmp_path):

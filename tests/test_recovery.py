@@ -14,7 +14,7 @@ from asyncrl.run.chaos import Chaos, steps_recorded
 from asyncrl.run.launcher import RunError, resume, train
 from asyncrl.rundir import RunDir
 from asyncrl.store.checkpoint import latest, valid_steps
-from asyncrl.store.ledger import audit
+from asyncrl.store.ledger import Ledger, audit
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +22,8 @@ RUN = {"run.steps": 28, "rollout.prompts_per_step": 8, "rollout.group_size": 4, 
        "task.eval_size": 100, "task.eval_every": 28, "run.max_restarts": 3}
 
 
-def cli_args(tmp_path, model) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, model, **RUN)]
+def cli_args(tmp_path, model, **extra) -> list[str]:
+    return [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, model, **RUN, **extra)]
 
 
 def assert_nothing_lost(run_dir) -> dict:
@@ -72,11 +72,12 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
 
 
 def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_path):
-    cfg = job_config(tmp_path, tiny_model, **RUN)
+    """With run.prune_trained: the fallback to the checkpoint before the corrupt one still finds its
+    batches (only those before the oldest kept checkpoint are pruned)."""
+    cfg = job_config(tmp_path, tiny_model, **RUN, **{"run.prune_trained": True})
     run_dir = cfg.run_dir
-    proc = subprocess.Popen(
-        cli_args(tmp_path, tiny_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = subprocess.Popen(cli_args(tmp_path, tiny_model, **{"run.prune_trained": True}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while steps_recorded(run_dir) < 14:
         assert time.monotonic() < deadline and proc.poll() is None
@@ -117,7 +118,14 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
     resumed_from = [e for e in events if e["event"] == "trainer_resumed"]
     assert resumed_from and resumed_from[0]["checkpoint"] != str(newest)
     assert all(e["identical"] for e in events if e["event"] == "version_replayed")
-    assert_nothing_lost(run_dir)
+    assert_nothing_lost(run_dir)  # (its counts stand with the pruned payloads)
+    led = Ledger(run_dir)
+    pruned = led.get("pruned_through")  # the oldest of the 3 checkpoints kept (every 4 steps of 28)
+    assert pruned in (16, 20), pruned
+    assert [step for step, _ in RunDir(run_dir).batch_files()] == list(range(pruned, 28))
+    payloads = led.db.execute("SELECT step < ?, COUNT(data) FROM samples WHERE step IS NOT NULL "
+                              "GROUP BY step < ?", (pruned, pruned))
+    assert dict(payloads.fetchall()) == {0: (28 - pruned) * 8 * 4, 1: 0}
 
 
 def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_path, tests_on_path):

@@ -271,6 +271,7 @@ RESUMABLE_KEYS = (
     "run.name",
     "run.steps",
     "run.overwrite",
+    "run.prune_trained",
     "run.max_restarts",
     "run.warm_spare",
     "run.launcher",

@@ -31,25 +31,25 @@ from asyncrl.control import api as control
 from asyncrl.control import pausing
 from asyncrl.control.access import read_token
 from asyncrl.control.live import actions_at, settings_at, with_settings
-from asyncrl.files import apoll, write_atomic
+from asyncrl.files import apoll
 from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.profile import Phases
 from asyncrl.observe.sinks import Sinks
 from asyncrl.orchestrator import waves
-from asyncrl.orchestrator.advantages import RunningBaseline, advantage_fn, normalize_per_task
+from asyncrl.orchestrator.advantages import advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
 from asyncrl.orchestrator.prompts import next_prompt
 from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
+from asyncrl.orchestrator.restore import restore
 from asyncrl.orchestrator.rollout import rollout_agent_group, score_group
 from asyncrl.orchestrator.staleness import StalenessGate
 from asyncrl.orchestrator.teacher import Teacher
 from asyncrl.rewards.pool import VerifierPool
 from asyncrl.rewards.tasks import load_tasks
 from asyncrl.run.heartbeat import Heartbeat
-from asyncrl.rundir import RunDir
 from asyncrl.store.ledger import Ledger
 from asyncrl.trajectory import Trajectory, write_batch
 from asyncrl.transports.trainer_link import trainer_link
@@ -84,35 +84,7 @@ class Orchestrator:
         self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents)
                           if eval_tasks else None)
         self.teacher = Teacher(cfg, run_dir, tokenizer, self.events) if cfg.teacher.enabled else None
-        self._restore()
-
-    def _restore(self) -> None:
-        """State from the ledger: empty on a fresh run, everything durable after a restart."""
-        led = self.ledger
-        self.started_at = led.get("started_at") or time.time()
-        led.put("started_at", self.started_at)
-        self.cursor = led.next_prompt_id()
-        self.paused = led.get("paused", False)  # (asyncrl ctl RUN pause: admission stops)
-        pausing.record(self.run_dir, self.paused)
-        self.reissue = led.in_flight()  # their generation died with an earlier process
-        self.ready: list[tuple] = []  # finished groups, a heap: (oldest version, prompt id, group)
-        for group in led.ready_groups():
-            self._finished(group)
-        self.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
-        batched = led.batched_steps()
-        self.next_step = len(batched)
-        self._use_settings(settings_at(led.scheduled_changes(), self.next_step))
-        if isinstance(self.advantages, RunningBaseline):
-            self.advantages.value = led.get("baseline")
-        for step in batched:  # a crash between the ledger and the file: write it again
-            if not RunDir(self.run_dir).batch(step).exists():
-                self._write_batch(step, led.batch_samples(step))
-        self.committed_through = 0  # (from the trainer's checkpoints: _connect_trainer)
-        # metrics.jsonl is a projection of the ledger: rewrite it whole, then append
-        write_atomic(RunDir(self.run_dir).metrics, "".join(line + "\n" for line in led.metrics_lines()))
-        self.metrics = open(RunDir(self.run_dir).metrics, "a")
-        self.last_gen = (time.monotonic(), None)
-        self.up_since, self.cpu_at_start = time.monotonic(), time.process_time()
+        restore(self)
 
     async def _connect_trainer(self) -> None:
         """The newest durable checkpoint commits its batches; the trainer gets each batch it may need."""
@@ -310,7 +282,8 @@ class Orchestrator:
         """The batches a durable checkpoint contains are committed: never to be trained again."""
         if durable_steps and durable_steps[-1] > self.committed_through:
             self.committed_through = durable_steps[-1]
-            n = self.ledger.commit_through(self.committed_through)
+            oldest_kept = durable_steps[0] if self.cfg.run.prune_trained else 0  # (no restart goes earlier)
+            n = self.ledger.commit_through(self.committed_through, oldest_kept)
             self.events.write("committed", through_step=self.committed_through, samples=n)
 
     async def _wait_for_final_checkpoint(self) -> None:

@@ -56,7 +56,8 @@ def batch_digest(sample_ids: list[str]) -> str:
 
 class Ledger:
     def __init__(self, run_dir: str | Path, timeout: float = 30.0):
-        self.db = sqlite3.connect(RunDir(run_dir).ledger, timeout=timeout, isolation_level=None)
+        self.run_dir = RunDir(run_dir)
+        self.db = sqlite3.connect(self.run_dir.ledger, timeout=timeout, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         # WAL + NORMAL: a committed transaction survives any process crash (SIGKILL included); a power
         # cut may lose the last few, never corrupt the file. FULL (an fsync per transaction) cost the
@@ -206,8 +207,10 @@ class Ledger:
         row = self._one("SELECT stats FROM steps WHERE step = ?", (step,))
         return json.loads(row[0]) if row else {}
 
-    def commit_through(self, checkpoint_step: int) -> int:
-        """Steps < checkpoint_step are in a durable checkpoint: their samples are committed."""
+    def commit_through(self, checkpoint_step: int, prune_below: int = 0) -> int:
+        """Steps < checkpoint_step are in a durable checkpoint: their samples are committed. With
+        `prune_below` (the oldest checkpoint kept: no restart trains a step before it again), the steps
+        before it lose their batch files and their samples' payloads; their rows stay."""
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             n = self.db.execute("UPDATE samples SET state = 'committed' WHERE state = 'batched' AND step < ?",
@@ -216,6 +219,15 @@ class Ledger:
                 "UPDATE steps SET state = 'committed' WHERE state = 'batched' AND step < ?",
                 (checkpoint_step,),
             )
+            pruned = self.get("pruned_through", 0)
+            prune_below = min(prune_below, checkpoint_step)
+            if prune_below > pruned:  # (from where the last prune stopped: a step's cost stays flat)
+                self.db.execute("UPDATE samples SET data = NULL WHERE state = 'committed' AND step >= ? "
+                                "AND step < ?", (pruned, prune_below))
+                self.db.execute("INSERT OR REPLACE INTO meta VALUES ('pruned_through', ?)",
+                                (json.dumps(prune_below),))
+        for step in range(pruned, prune_below):  # (after the commit: a crash between leaves files, not holes)
+            self.run_dir.batch(step).unlink(missing_ok=True)
         return n
 
     # --- metrics ------------------------------------------------------------------------
