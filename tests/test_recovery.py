@@ -118,14 +118,10 @@ def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_pa
     resumed_from = [e for e in events if e["event"] == "trainer_resumed"]
     assert resumed_from and resumed_from[0]["checkpoint"] != str(newest)
     assert all(e["identical"] for e in events if e["event"] == "version_replayed")
-    assert_nothing_lost(run_dir)  # (its counts stand with the pruned payloads)
-    led = Ledger(run_dir)
-    pruned = led.get("pruned_through")  # the oldest of the 3 checkpoints kept (every 4 steps of 28)
+    assert_nothing_lost(run_dir)
+    pruned = Ledger(run_dir).get("pruned_through")  # the oldest of the 3 checkpoints kept (every 4 of 28)
     assert pruned in (16, 20), pruned
     assert [step for step, _ in RunDir(run_dir).batch_files()] == list(range(pruned, 28))
-    payloads = led.db.execute("SELECT step < ?, COUNT(data) FROM samples WHERE step IS NOT NULL "
-                              "GROUP BY step < ?", (pruned, pruned))
-    assert dict(payloads.fetchall()) == {0: (28 - pruned) * 8 * 4, 1: 0}
 
 
 def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_path, tests_on_path):

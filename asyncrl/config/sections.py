@@ -21,8 +21,8 @@ class RunConfig(Section):
     seed: int = 0
     steps: int = Field(200, ge=1, description="training steps (versions published)")
     overwrite: bool = False
-    # delete the batch files and the ledger's sample payloads of steps older than every kept checkpoint
-    # (~185 KB a default step); each sample's row (state, reward, staleness) stays, so the audit's counts do
+    # delete the batch files of steps older than every kept checkpoint (~85 KB a default step): no restart
+    # trains them again, and the ledger keeps their samples whole
     prune_trained: bool = False
     # a role that dies (or stops beating) is restarted; past this many restarts the run stops
     max_restarts: int = Field(3, ge=0, description="restarts allowed per role")

@@ -33,7 +33,7 @@ def restore(orch) -> None:
     orch._use_settings(settings_at(led.scheduled_changes(), orch.next_step))
     if isinstance(orch.advantages, RunningBaseline):
         orch.advantages.value = led.get("baseline")
-    # (steps before `pruned_through` have no file and no payload by design: run.prune_trained)
+    # (steps before `pruned_through` have no file by design: run.prune_trained)
     for step in range(led.get("pruned_through", 0), orch.next_step):
         if not run_dir.batch(step).exists():
             orch._write_batch(step, led.batch_samples(step))

@@ -209,8 +209,8 @@ class Ledger:
 
     def commit_through(self, checkpoint_step: int, prune_below: int = 0) -> int:
         """Steps < checkpoint_step are in a durable checkpoint: their samples are committed. With
-        `prune_below` (the oldest checkpoint kept: no restart trains a step before it again), the steps
-        before it lose their batch files and their samples' payloads; their rows stay."""
+        `prune_below` (the oldest checkpoint kept: no restart trains a step before it again), the batch
+        files of the steps before it are deleted; the ledger keeps their samples whole."""
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             n = self.db.execute("UPDATE samples SET state = 'committed' WHERE state = 'batched' AND step < ?",
@@ -222,8 +222,6 @@ class Ledger:
             pruned = self.get("pruned_through", 0)
             prune_below = min(prune_below, checkpoint_step)
             if prune_below > pruned:  # (from where the last prune stopped: a step's cost stays flat)
-                self.db.execute("UPDATE samples SET data = NULL WHERE state = 'committed' AND step >= ? "
-                                "AND step < ?", (pruned, prune_below))
                 self.db.execute("INSERT OR REPLACE INTO meta VALUES ('pruned_through', ?)",
                                 (json.dumps(prune_below),))
         for step in range(pruned, prune_below):  # (after the commit: a crash between leaves files, not holes)
