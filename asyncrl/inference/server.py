@@ -245,7 +245,7 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 "tokens_prefilled": engine.tokens_prefilled,
                 "tokens_reused": engine.tokens_reused,
                 "busy_seconds": worker.phases.seconds["generate"],
-                "score_seconds": worker.phases.seconds["score"],
+                "score_seconds": worker.phases.seconds.get("score", 0.0),
                 "uptime_seconds": time.monotonic() - worker.started,
                 "phases": dict(worker.phases.seconds),
                 "version": engine.version,
