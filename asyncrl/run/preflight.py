@@ -23,6 +23,8 @@ def check_inputs(cfg: Config, log=print) -> Config:
     from asyncrl.rewards.tasks import load_tasks
 
     load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
+    if cfg.teacher.enabled:
+        check_teacher_loads(cfg)  # (likewise)
     buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
     if buildable:
         cfg = _tiny_policy(cfg, log)
@@ -40,7 +42,7 @@ def check_inputs(cfg: Config, log=print) -> Config:
         chat_template(cfg.agent.chat_template)
     get_objective(cfg.objective.name, cfg.objective.import_path)
     if cfg.teacher.enabled:
-        check_teacher(cfg)
+        check_teacher_fits(cfg)
     check_installed(cfg)  # (the metric sinks asked for)
     check_sizes(cfg)
     _check_ports(cfg)
@@ -141,6 +143,13 @@ def check_teacher(cfg: Config) -> None:
     """On-policy distillation's teacher: a model that loads, with the student's tokenizer (the objective
     compares logprobs of the same token ids; cross-tokenizer distillation is out of scope), and for a
     server someone else runs, its token."""
+    check_teacher_loads(cfg)
+    check_teacher_fits(cfg)
+
+
+def check_teacher_loads(cfg: Config) -> None:
+    """The teacher's model loads, or its server's token is there: needs no student (so it runs before a
+    warm start would spend minutes building one)."""
     teacher = cfg.teacher
     if teacher.url:
         token = Path(teacher.token_file)
@@ -151,6 +160,11 @@ def check_teacher(cfg: Config) -> None:
         check_model(Path(teacher.path), "teacher.path")
     else:
         _check_hub_model(teacher.path, "teacher.path")
+
+
+def check_teacher_fits(cfg: Config) -> None:
+    """The teacher's context holds the longest sample, and its tokenizer is the student's."""
+    teacher = cfg.teacher
     _check_teacher_context(cfg)
     student, theirs = _vocabulary(cfg.model.path), _vocabulary(teacher.path)
     if student != theirs:
