@@ -125,7 +125,7 @@ def one_step(led: Ledger, shape: dict, step: int) -> None:
 def resume(led: Ledger, run_dir: Path) -> None:
     """The ledger reads the orchestrator's _restore makes, and metrics.jsonl rewritten whole."""
     led.next_prompt_id(), led.in_flight(), led.ready_groups(), led.live_groups(), led.scheduled_changes()
-    for step in led.batched_steps():
+    for step in range(led.get("pruned_through", 0), led.step_count()):
         RunDir(run_dir).batch(step).exists()
     RunDir(run_dir).metrics.write_text("".join(line + "\n" for line in led.metrics_lines()))
 

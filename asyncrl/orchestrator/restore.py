@@ -29,7 +29,7 @@ def restore(orch) -> None:
     for group in led.ready_groups():
         orch._finished(group)
     orch.gate.admitted = led.live_groups()  # re-issued prompts keep the slot they had
-    orch.next_step = len(led.batched_steps())
+    orch.next_step = led.step_count()
     orch._use_settings(settings_at(led.scheduled_changes(), orch.next_step))
     if isinstance(orch.advantages, RunningBaseline):
         orch.advantages.value = led.get("baseline")

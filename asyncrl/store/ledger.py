@@ -196,8 +196,9 @@ class Ledger:
         """(step, key, value) of the changes that have taken effect, in the order made."""
         return _scheduled(self.db)
 
-    def batched_steps(self) -> list[int]:
-        return [r[0] for r in self.db.execute("SELECT step FROM steps ORDER BY step")]
+    def step_count(self) -> int:
+        """Batches assembled so far (steps 0 … count − 1)."""
+        return self._one("SELECT COUNT(*) FROM steps")[0]
 
     def batch_samples(self, step: int) -> list[Trajectory]:
         return [Trajectory.from_json(r[0]) for r in self.db.execute(
