@@ -18,7 +18,6 @@ Run as `python -m asyncrl.orchestrator RUN_DIR` (asyncrl/orchestrator/__main__.p
 from __future__ import annotations
 
 import asyncio
-import heapq
 import json
 import logging
 import time
@@ -36,7 +35,7 @@ from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.profile import Phases
 from asyncrl.observe.sinks import Sinks
-from asyncrl.orchestrator import waves
+from asyncrl.orchestrator import staleness, waves
 from asyncrl.orchestrator.advantages import advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
@@ -70,6 +69,7 @@ class Orchestrator:
         self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
         self.waves: set[asyncio.Task] = set()  # the requests generating the groups in flight
         self.in_flight_peak = 0  # the most groups generating at once since the last step record
+        self.serve_seconds = 0.0  # from each version's marker to every replica serving it, all told
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
@@ -160,9 +160,9 @@ class Orchestrator:
     def _may_admit(self, pending: int) -> bool:
         """Whether one more group may start, `pending` being admitted already but not yet started."""
         needed = self.cfg.run.steps * self.cfg.rollout.prompts_per_step  # (run.steps is live)
-        room = not self.paused and len(self.in_flight) + pending < self.cfg.rollout.max_concurrent_groups
-        return room and (bool(self.reissue) or (
-            self.gate.admitted < needed and self.gate.can_admit(self.router.version)))
+        running, most = len(self.in_flight) + pending, self.cfg.rollout.max_concurrent_groups
+        return not self.paused and self.gate.may_start(self.router.version, running, most, needed,
+                                                       reissue=bool(self.reissue))
 
     async def _run_group(self, index: int, entry: dict, prompt: list[int], choices: asyncio.Future | None):
         try:
@@ -208,7 +208,7 @@ class Orchestrator:
     def _finished(self, group: list[Trajectory]) -> None:
         """Into the pool batches are packed from, the oldest first (a group's prompt breaks ties: the same
         order after a restart)."""
-        heapq.heappush(self.ready, (min(t.oldest_version for t in group), group[0].prompt_id, group))
+        staleness.offer(self.ready, min(t.oldest_version for t in group), group[0].prompt_id, group)
 
     # --- assemble -----------------------------------------------------------------------
     async def assemble(self) -> None:
@@ -224,10 +224,9 @@ class Orchestrator:
             while len(batch) < per_step:
                 await self._wait_for(lambda: bool(self.ready), self.cfg.timeouts.train_step,
                                      f"finished rollouts for batch {step}")
-                oldest, _, group = heapq.heappop(self.ready)
+                oldest, group, fresh = staleness.take(self.ready, self.gate, step)
                 # (the trainer's logprobs are at this step's temperature: a group drawn at another is dropped)
                 sampled_at = group[0].info.get("temperature", self.cfg.rollout.temperature)
-                fresh = self.gate.fresh_enough(oldest, step)
                 if fresh and sampled_at == self.cfg.rollout.temperature:
                     batch.append(group)
                     continue
@@ -264,7 +263,9 @@ class Orchestrator:
         while version < self.cfg.run.steps:  # (run.steps is live: read at every version)
             version += 1
             marker = await self._wait_for_version(version)
+            seen = time.monotonic()
             await self.router.load(version, marker)
+            self.serve_seconds += time.monotonic() - seen  # (a version's way to service: asyncrl plan)
             teacher = await self.teacher.stats() if self.teacher else {}
             stats = {**await self.router.stats(), "teacher": teacher}
             record = step_record(self, version, marker, stats)

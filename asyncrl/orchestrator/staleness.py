@@ -9,6 +9,8 @@ entirely by version k, and generation of batch k+1 starts only once version k+1 
 """
 from __future__ import annotations
 
+import heapq
+
 
 class StalenessGate:
     def __init__(self, groups_per_step: int, max_staleness: int):
@@ -19,6 +21,14 @@ class StalenessGate:
     def can_admit(self, served_version: int) -> bool:
         return self.admitted // self.groups_per_step <= served_version + self.max_staleness
 
+    def may_start(self, served_version: int, running: int, max_running: int, needed: int,
+                  reissue: bool = False) -> bool:
+        """Whether one more group may start now: under the cap on groups generating at once and, unless
+        it re-issues a lost prompt (whose slot it holds already), within the run's `needed` groups and
+        the staleness bound."""
+        within = self.admitted < needed and self.can_admit(served_version)
+        return running < max_running and (reissue or within)
+
     def admit(self) -> None:
         self.admitted += 1
 
@@ -28,3 +38,17 @@ class StalenessGate:
 
     def fresh_enough(self, oldest_version: int, step: int) -> bool:
         return step - oldest_version <= self.max_staleness
+
+
+# --- the ready pool: finished groups, the oldest first ------------------------------------------
+def offer(ready: list, oldest_version: int, prompt_id: int, group) -> None:
+    """A finished group into the pool batches are packed from (a heap; the prompt breaks ties, so the
+    order is the same after a restart)."""
+    heapq.heappush(ready, (oldest_version, prompt_id, group))
+
+
+def take(ready: list, gate: StalenessGate, step: int) -> tuple[int, object, bool]:
+    """The oldest finished group for batch `step`: (its oldest version, the group, whether it is fresh
+    enough to train on; a stale one is the caller's to drop and `gate.release()`)."""
+    oldest, _, group = heapq.heappop(ready)
+    return oldest, group, gate.fresh_enough(oldest, step)

@@ -30,16 +30,23 @@ def start(router, wave: list[tuple[int, list[int]]], cfg, running: set) -> dict[
     """Start generating these (index, prompt ids) groups; each group's future gets (choices, seconds) or
     the error that ended its request. The requests' tasks are in `running` while they run."""
     futures = {index: asyncio.get_running_loop().create_future() for index, _ in wave}
-    replicas = max(len(router.routed()), 1)
-    most = min(cfg.inference.max_batch_sequences // cfg.rollout.group_size, cfg.rollout.prompts_per_step)
     sent: list[asyncio.Task] = []
-    for j, part in enumerate(parts(wave, replicas, most)):
-        after = sent[j - replicas] if j >= replicas else None
+    for part, before in schedule(wave, len(router.routed()), cfg):
+        after = sent[before] if before is not None else None
         mine = {i: futures[i] for i, _ in part}
         sent.append(asyncio.create_task(generate(router, dict(part), mine, cfg, after)))
         running.add(sent[-1])
         sent[-1].add_done_callback(running.discard)
     return futures
+
+
+def schedule(wave: list, replicas: int, cfg) -> list[tuple[list, int | None]]:
+    """The wave's parts in sending order, each with the index of the part it is sent after (None: at
+    once): the one before it on the same replica."""
+    replicas = max(replicas, 1)
+    most = min(cfg.inference.max_batch_sequences // cfg.rollout.group_size, cfg.rollout.prompts_per_step)
+    return [(part, j - replicas if j >= replicas else None)
+            for j, part in enumerate(parts(wave, replicas, most))]
 
 
 def parts(wave: list, replicas: int, most: int) -> list[list]:
