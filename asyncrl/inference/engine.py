@@ -12,6 +12,7 @@ the new weights and generation goes on (partial rollouts); under "abort" they st
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +21,7 @@ import torch
 
 from asyncrl.inference import kv
 from asyncrl.inference.prefix_cache import PrefixCache
+from asyncrl.observe.fit import LinearFit
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,11 @@ class Engine:
     def __init__(self, model, pad_token_id: int, eos_token_id: int | None, seed: int = 0,
                  max_sequences: int = 512, max_tokens: int = 2**18, prefix_cache_tokens: int = 0):
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # (every tensor the engine makes lives beside it)
         self.pad_id, self.eos_id = pad_token_id, eos_token_id
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.version = 0
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.cache_arg = kv.cache_kwarg(model)
         self.waiting: deque[Sequence] = deque()
         self.admitting = True  # False while draining for a "finish" weight update
@@ -91,16 +94,19 @@ class Engine:
         self.tokens_prefilled = 0  # fed through the model to admit sequences (padding not counted)
         self.tokens_reused = 0  # of admitted prompts, found in the prefix cache instead
         self.prefixes = PrefixCache(prefix_cache_tokens)
+        # seconds per decode step against its rows, per prefill against its tokens: the rate model
+        # `asyncrl plan` calibrates from (asyncrl/plan/calibrate.py)
+        self.decode_fit, self.prefill_fit = LinearFit(), LinearFit()
         self._clear()
 
     def _clear(self) -> None:
         self.rows: list[Sequence | None] = []  # the batch's rows; None: finished, not yet compacted away
         self.cache = None  # the DynamicCache of the running rows; rebuilt only when rows change
-        self.mask = torch.zeros((0, 0), dtype=torch.long)
-        self.positions = torch.zeros(0, dtype=torch.long)  # position id of each row's next token
-        self.logits = torch.zeros(0)
-        self.temps = torch.zeros(0)
-        self.top_ps = torch.zeros(0)
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)  # each row's next token's
+        self.logits = torch.zeros(0, device=self.device)
+        self.temps = torch.zeros(0, device=self.device)
+        self.top_ps = torch.zeros(0, device=self.device)
         self.logit_versions: list[int] = []  # the weights each row's next-token logits came from
 
     # --- requests ----------------------------------------------------------------------------
@@ -130,6 +136,11 @@ class Engine:
             self._admit()
         if not self.rows:
             return
+        with self.decode_fit.timed(len(self.rows)):
+            self._decode()
+
+    def _decode(self) -> None:
+        """Sample a token for every running row, retire the finished ones, feed the rest."""
         tokens, logprobs = sample_rows(self.logits, self.temps, self.top_ps, self.generator)
         live = sampled = 0
         for row, (seq, tok, lp, v) in enumerate(
@@ -186,7 +197,8 @@ class Engine:
 
     def _compact(self) -> torch.Tensor:
         """Drop the finished rows from the batch and its cache; returns the kept rows' old indices."""
-        keep = torch.tensor([i for i, seq in enumerate(self.rows) if seq is not None], dtype=torch.long)
+        keep = torch.tensor([i for i, seq in enumerate(self.rows) if seq is not None], dtype=torch.long,
+                            device=self.device)
         self._keep_rows(keep)
         return keep
 
@@ -228,6 +240,7 @@ class Engine:
     def _prefill(self, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
         """Admit `seqs`, whose caches hold `token_lists` once prefilled: those that continue a cached
         prefix feed only the tokens after it, the others their whole lists."""
+        start, fed = time.perf_counter(), self.tokens_prefilled
         hits = [self.prefixes.take(t) if s.params.cache_prefix else None for s, t in zip(seqs, token_lists)]
         fresh = [i for i, hit in enumerate(hits) if hit is None]
         cached = [i for i, hit in enumerate(hits) if hit is not None]
@@ -236,6 +249,7 @@ class Engine:
         if cached:
             self._join([seqs[i] for i in cached],
                        *self._run_cached([token_lists[i] for i in cached], [hits[i] for i in cached]))
+        self.prefill_fit.add(self.tokens_prefilled - fed, time.perf_counter() - start)
 
     def _run_fresh(self, token_lists: list[list[int]]):
         """Each distinct token list once (left-padded), its KV rows given to every sequence that has it:
@@ -248,10 +262,11 @@ class Engine:
         for row, toks in enumerate(distinct):
             ids[row, width - len(toks):] = torch.tensor(toks)
             mask[row, width - len(toks):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # (built here, moved once)
         self.tokens_prefilled += sum(map(len, distinct))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long)
+        rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long, device=self.device)
         layers, mask = kv.select(kv.tensors(out[self.cache_arg]), mask, rows)
         return layers, mask, out.logits[:, -1][rows], positions[:, -1][rows] + 1
 
@@ -269,7 +284,9 @@ class Engine:
             ids[row, width - len(toks):] = torch.tensor(toks)
             mask[row, past - n:past] = 1
             mask[row, past + width - len(toks):] = 1
-        positions = torch.tensor([n for n, _ in hits])[:, None] + (mask[:, past:].cumsum(-1) - 1).clamp(min=0)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        starts = torch.tensor([n for n, _ in hits], device=self.device)
+        positions = starts[:, None] + (mask[:, past:].cumsum(-1) - 1).clamp(min=0)
         self.tokens_prefilled += sum(map(len, new))
         self.tokens_reused += sum(n for n, _ in hits)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -279,8 +296,8 @@ class Engine:
     def _join(self, seqs: list[Sequence], layers: list, mask: torch.Tensor, logits: torch.Tensor,
               positions: torch.Tensor) -> None:
         """Prefilled rows into the running batch."""
-        temps = torch.tensor([s.params.temperature for s in seqs])
-        top_ps = torch.tensor([s.params.top_p for s in seqs])
+        temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+        top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
         if None in self.rows:  # the cache is copied here anyway: leave the finished rows out
             self._compact()
         if self.rows:

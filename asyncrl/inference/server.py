@@ -250,6 +250,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 "phases": dict(worker.phases.seconds),
                 "version": engine.version,
                 "running": len(engine.running),
+                "decode_fit": engine.decode_fit.sums,  # (sums: they add across replicas)
+                "prefill_fit": engine.prefill_fit.sums,
                 "waiting": worker.waiting(),
             }
         )
@@ -303,7 +305,7 @@ async def serve(run_dir: Path, index: int = 0, teacher: bool = False) -> None:
                          else (cfg.model.path, cfg.inference.dtype))
     torch.set_num_threads(cfg.role_threads(kind))
     model, tokenizer = load_policy(model_path)
-    model = model.to(getattr(torch, dtype))
+    model = model.to(getattr(torch, dtype)).to(cfg.inference.device)
     incarnation = int(os.environ.get("ASYNCRL_INCARNATION", "0"))  # a restarted server: new samples
     engine = Engine(
         model,

@@ -69,7 +69,7 @@ class Orchestrator:
         self.in_flight, self.evals = set(), []  # rollout groups, evaluations (asyncio tasks)
         self.waves: set[asyncio.Task] = set()  # the requests generating the groups in flight
         self.in_flight_peak = 0  # the most groups generating at once since the last step record
-        self.serve_seconds = 0.0  # from each version's marker to every replica serving it, all told
+        self.serve_seconds = 0.0  # from each version's marker to admission hearing it is served, all told
         self.phases = Phases()  # ledger and batch-file writes; the rest of its CPU is HTTP and bookkeeping
         self.ledger = Ledger(run_dir)
         self.events = EventLog(run_dir, "orchestrator")
@@ -265,12 +265,12 @@ class Orchestrator:
             marker = await self._wait_for_version(version)
             seen = time.monotonic()
             await self.router.load(version, marker)
-            self.serve_seconds += time.monotonic() - seen  # (a version's way to service: asyncrl plan)
             teacher = await self.teacher.stats() if self.teacher else {}
             stats = {**await self.router.stats(), "teacher": teacher}
             record = step_record(self, version, marker, stats)
             self.ledger.record_step(version, record)
             await self._notify()
+            self.serve_seconds += time.monotonic() - seen  # (until admission hears of it: asyncrl plan)
             self._write_metrics(record)
             self._commit(await self.link.checkpoints())
             await self.link.copy_events(self.ledger)
