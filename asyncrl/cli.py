@@ -8,6 +8,8 @@
     asyncrl export RUN_DIR OUT_DIR [--step N]                a checkpoint as a plain HF model directory
     asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop | dashboard
                                                              steer a running job (docs/control.md)
+    asyncrl plan --calibrate RUN_DIR | [CONFIG.toml] --rates RATES.json [--devices N] ...
+                                                             predict a layout's run (docs/planner.md)
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _save_traceback() -> str:
 
 def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "warmstart", "report", "export", "ctl")
+    commands = ("train", "warmstart", "report", "export", "ctl", "plan")
     if not args or args[0] not in commands or args[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
         return 0 if args and args[0] in ("-h", "--help") else 2
@@ -79,6 +81,10 @@ def _main(argv: list[str] | None) -> int:
                 raise ConfigError(f"{rest[0]} is not a run directory with metrics (no metrics.jsonl)")
             print(table(write_report(rest[0])))
             return 0
+        if command == "plan":
+            from asyncrl.plan.cli import main as plan
+
+            return plan(rest, _take)
         if command == "ctl":
             from asyncrl.control import ctl
 

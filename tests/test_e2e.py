@@ -31,6 +31,22 @@ def test_staleness_bound_holds_for_every_trained_sample(tiny_model, tmp_path, et
     assert all(r["staleness_max"] <= eta for r in steps)
     assert (run_dir / "report.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / f"step_{cfg.run.steps:06d}" / "model.safetensors").exists()
+    _calibrates_the_planner(run_dir, cfg, eta)
+
+
+def _calibrates_the_planner(run_dir, cfg, eta):
+    """The run's recorded costs give positive rates; its groups are the workload; replayed, the rules hold."""
+    from asyncrl.plan.calibrate import calibrate
+    from asyncrl.plan.simulate import simulate
+
+    rates, workload, layout = calibrate(run_dir)
+    assert rates.decode_base + rates.decode_per_row > 0 and rates.prefill_per_token + rates.prefill_base > 0
+    assert rates.step_base + rates.step_per_token > 0 and rates.load_seconds > 0
+    lengths = sorted(sum(t.loss_mask) for step in range(cfg.run.steps)
+                     for t in read_batch(RunDir(run_dir).batch(step)))
+    assert sorted(sum(e.turns) for g in workload.measured for e in g) == lengths
+    replay = simulate(cfg, rates, workload, layout["replicas"], layout["ranks"])
+    assert max(map(int, replay["staleness_hist"])) <= eta and replay["samples_per_s"] > 0
 
 
 def test_one_group_at_a_time_never_waits_for_a_wake_up(tiny_model, tmp_path):
