@@ -297,6 +297,7 @@ RESUMABLE_KEYS = (
     "trainer.activation_checkpointing",
     "trainer.share_prefixes",  # (the same numbers either way)
     "trainer.device",
+    "inference.device",
     "inference.host",
     "inference.port",
     "inference.threads",

@@ -324,6 +324,8 @@ class InferenceConfig(Section):
     update_policy: Literal["interrupt", "keep", "abort", "finish"] = "interrupt"
     # the dtype the engine serves in; the trainer's patches compare values in this dtype
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the built-in engine's torch device ("cuda", "cuda:1"); vLLM places itself
+    device: str = Field("cpu", description='torch device of the built-in engine, e.g. "cuda"')
 
 
 class TeacherConfig(Section):

@@ -48,6 +48,7 @@ def parse_score_request(body: dict, vocab_size: int, max_tokens: int) -> tuple[l
 def score(model, pad_id: int, seqs: list[list[int]], starts: list[int], top_k: int) -> list[dict]:
     """Each sequence's scores, in the order given; rows of similar length go through the model together."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.get_output_embeddings().weight.device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[dict | None] = [None] * len(seqs)
     lo = 0
@@ -57,8 +58,9 @@ def score(model, pad_id: int, seqs: list[list[int]], starts: list[int], top_k: i
             hi += 1
         rows = order[lo:hi]
         width = len(seqs[rows[-1]])
-        ids = torch.tensor([seqs[i] + [pad_id] * (width - len(seqs[i])) for i in rows])
-        attention = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in rows])
+        ids = torch.tensor([seqs[i] + [pad_id] * (width - len(seqs[i])) for i in rows], device=device)
+        attention = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in rows],
+                                 device=device)
         logits = model(input_ids=ids, attention_mask=attention).logits.float()  # (right padding)
         logp = torch.log_softmax(logits[:, :-1], dim=-1)  # position t predicts token t + 1
         for j, i in enumerate(rows):

@@ -152,7 +152,7 @@ def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
     Only where there is a choice: a CPU trainer and the built-in engine, on a machine with more than
     one core (asyncrl/run/threads.py). The plan is cached per model, task and batch
     shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
-    if (cfg.trainer.device != "cpu" or cfg.inference.engine != "builtin"
+    if (cfg.trainer.device != "cpu" or cfg.inference.device != "cpu" or cfg.inference.engine != "builtin"
             or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
         return cfg, None
     plan = _cached_plan(cfg)

@@ -162,7 +162,9 @@ def apply_patch(state: dict[str, torch.Tensor], patch: dict[str, torch.Tensor]) 
     for key, idx in patch.items():
         if key.endswith("::idx"):
             name = key[: -len("::idx")]
-            state[name].view(-1)[idx.long()] = patch[f"{name}::val"].to(state[name].dtype)
+            target = state[name]
+            values = patch[f"{name}::val"].to(target.device, target.dtype)
+            target.view(-1)[idx.to(target.device).long()] = values
 
 
 def save_patch(run_dir: str | Path, version: int, patch: dict[str, torch.Tensor]) -> Path:
