@@ -19,3 +19,11 @@ def reverse_digits(index: int, seed: int) -> dict:
     low, high = LONG if rng.random() < LONG_SHARE else SHORT
     digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(low, high)))
     return {"question": f"rev:{digits}=", "answer": digits[::-1], "metadata": {"length": len(digits)}}
+
+
+def stutters(entry: dict, rng: random.Random, slip: float = 0.7) -> str:
+    """A warm-start teacher (warmstart.teacher) that in `slip` of its answers writes the last digit
+    twice (rev:123= -> 3211): every digit right, one habit at the end that an exact-match reward
+    takes away, the headroom RL climbs on this task (docs/performance.md, vs TRL)."""
+    answer = entry["answer"]
+    return answer + answer[-1] if rng.random() < slip else answer
