@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.plan.calibrate import CalibrationError, calibrate
@@ -45,12 +46,17 @@ def main(args: list[str], take) -> int:
                [(replicas or cfg.inference.replicas, ranks or cfg.trainer.ranks)])
     if devices is not None and devices < 2:
         raise ConfigError("--devices needs at least 2: one for inference, one for the trainer")
-    rows = []
+    rows, total = [], len(layouts) * len(etas)
     for r, k in layouts:
         for eta in etas:
             at = cfg.model_copy(deep=True)
             at.rollout.max_staleness = eta
-            rows.append({"replicas": r, "ranks": k, "eta": eta, **simulate(at, rates, workload, r, k)})
+            print(f"simulating {len(rows) + 1}/{total}: {r} replica(s), {k} rank(s), η = {eta}",
+                  file=sys.stderr)
+            try:
+                rows.append({"replicas": r, "ranks": k, "eta": eta, **simulate(at, rates, workload, r, k)})
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     print(table(rows, cfg.run.steps))
     print(recommend(rows))
     return 0

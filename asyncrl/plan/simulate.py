@@ -70,8 +70,10 @@ class Simulation:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
         if len(self.records) < self.cfg.run.steps:
-            raise RuntimeError(f"plan: the simulated run stopped at version {len(self.records)} of "
-                               f"{self.cfg.run.steps} with nothing left to do (a rule that never admits?)")
+            raise ValueError(f"plan: the simulated run stopped at version {len(self.records)} of "
+                             f"{self.cfg.run.steps} with nothing left to do: no group can start (check "
+                             "rollout.max_concurrent_groups and inference.max_batch_sequences against "
+                             "rollout.group_size)")
         return summary(self)
 
     # --- admission and waves ------------------------------------------------------------------
