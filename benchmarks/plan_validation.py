@@ -2,7 +2,8 @@
 
 For each workload (the default uniform task; the long-tailed reversal of benchmarks/vs_trl.py), one
 calibration run per layout (seed 1): η = 0 (roles alternate), η = 1 (roles overlap, one replica), η = 1
-with two replicas. Then the measured runs (seed 0): η = 0, 1, 4, 16 with one replica, η = 4 with two,
+with two replicas, η = 1 under Ray (its weights and batches travel through Ray: a cost a local run's
+rates lack). Then the measured runs (seed 0): η = 0, 1, 4, 16 with one replica, η = 4 with two,
 and η = 4 under Ray. Each is predicted by the simulator from its layout's calibration (the rates and
 the groups of another run, never its own), and compared on samples/s and the mean staleness.
 
@@ -32,11 +33,11 @@ from asyncrl.run.launcher import train  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 RUNS = OUT / "runs"
-CALIBRATIONS = {"alternate": {"eta": 0, "replicas": 1}, "overlap": {"eta": 1, "replicas": 1},
-                "two_replicas": {"eta": 1, "replicas": 2}}
+CALIBRATIONS = {"alternate": (0, 1, "local"), "overlap": (1, 1, "local"), "two_replicas": (1, 2, "local"),
+                "ray_overlap": (1, 1, "ray")}  # (η, replicas, launcher)
 MEASURED = [  # (η, replicas, launcher, calibration)
     (0, 1, "local", "alternate"), (1, 1, "local", "overlap"), (4, 1, "local", "overlap"),
-    (16, 1, "local", "overlap"), (4, 2, "local", "two_replicas"), (4, 1, "ray", "overlap"),
+    (16, 1, "local", "overlap"), (4, 2, "local", "two_replicas"), (4, 1, "ray", "ray_overlap"),
 ]
 
 
@@ -76,8 +77,9 @@ def main() -> None:
     for workload in args.workloads:
         vs_trl.ensure_model(workload)
         print(f"{workload}: calibration runs", flush=True)
-        calibrations = {name: run(workload, c["eta"], c["replicas"], "local", 1, args.steps)
-                        for name, c in CALIBRATIONS.items()}
+        calibrations = {name: run(workload, eta, replicas, launcher, 1, args.steps)
+                        for name, (eta, replicas, launcher) in CALIBRATIONS.items()
+                        if not (launcher == "ray" and args.no_ray)}
         print(f"{workload}: measured runs", flush=True)
         for eta, replicas, launcher, calibration in MEASURED:
             if launcher == "ray" and args.no_ray:
