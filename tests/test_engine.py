@@ -97,19 +97,6 @@ def test_requests_joining_mid_generation_match_one_at_a_time():
         assert torch.allclose(torch.tensor(seq.sample.logprobs), torch.tensor(ref.logprobs), atol=1e-5)
 
 
-def test_each_admission_is_a_point_on_the_join_line():
-    """The planner's admission cost: rows joining a running batch copy its cache (rows × width)."""
-    e = engine()
-    e.add([Sequence(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))])
-    e.step()
-    e.step()
-    width = e.mask.shape[1]
-    e.add([Sequence(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))])
-    e.step()
-    assert e.join_fit.sums["n"] == e.prefill_fit.sums["n"] == 2
-    assert e.join_fit.sums["x"] == 1 * width and e.join_fit.sums["t"] > 0
-
-
 def test_samples_of_one_prompt_share_its_prefill():
     e = engine()
     samples = e.generate([PROMPTS[0]] * 5, SamplingParams(max_tokens=6, temperature=0))

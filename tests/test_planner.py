@@ -10,8 +10,7 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.observe.fit import LinearFit, solve
 from asyncrl.plan.rates import Rates
-from asyncrl.plan.replica import Sequence
-from asyncrl.plan.simulate import Simulation, simulate
+from asyncrl.plan.simulate import simulate
 from asyncrl.plan.workload import Workload
 
 RATES = Rates(decode_base=0.004, decode_per_row=0.0001, prefill_base=0.002, prefill_per_token=0.00001,
@@ -50,16 +49,6 @@ def test_synchronous_steps_take_the_sum_of_their_phases():
     gaps = [b - a for a, b in zip(out["times"], out["times"][1:])]
     assert gaps == pytest.approx([step] * len(gaps))
     assert out["staleness_hist"] == {"0": 40 * 16} and out["dropped_stale_groups"] == 0
-
-
-def test_admission_pays_for_the_running_cache_it_joins():
-    """The built-in engine copies its running rows' cache, left-padded to the longest context."""
-    rates = Rates(**{**vars(RATES), "join_base": 0.01, "join_per_cell": 0.001})
-    replica = Simulation(cfg(4), rates, UNIFORM).replicas[0]
-    replica.running = [Sequence(group=None, turns=[5], context=c) for c in (10, 14)]
-    replica.waiting.append(Sequence(group=None, turns=[5], context=10, shared_key="p"))
-    prefill = rates.prefill_base + rates.prefill_per_token * 10
-    assert replica._admit() == pytest.approx(prefill + 0.01 + 0.001 * 2 * 14)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 4, 16])

@@ -94,10 +94,9 @@ class Engine:
         self.tokens_prefilled = 0  # fed through the model to admit sequences (padding not counted)
         self.tokens_reused = 0  # of admitted prompts, found in the prefix cache instead
         self.prefixes = PrefixCache(prefix_cache_tokens)
-        # cost lines the planner calibrates from: a decode step against its rows, a prefill's forward
-        # against its tokens, and joining admitted rows against the running cache's cells (rows × width),
-        # which are copied into a new cache on every admission
-        self.decode_fit, self.prefill_fit, self.join_fit = LinearFit(), LinearFit(), LinearFit()
+        # seconds per decode step against its rows, per prefill against its tokens: the rate model
+        # `asyncrl plan` calibrates from (asyncrl/plan/calibrate.py)
+        self.decode_fit, self.prefill_fit = LinearFit(), LinearFit()
         self._clear()
 
     def _clear(self) -> None:
@@ -241,7 +240,7 @@ class Engine:
     def _prefill(self, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
         """Admit `seqs`, whose caches hold `token_lists` once prefilled: those that continue a cached
         prefix feed only the tokens after it, the others their whole lists."""
-        start, fed, joining = time.perf_counter(), self.tokens_prefilled, self.join_fit.sums["t"]
+        start, fed = time.perf_counter(), self.tokens_prefilled
         hits = [self.prefixes.take(t) if s.params.cache_prefix else None for s, t in zip(seqs, token_lists)]
         fresh = [i for i, hit in enumerate(hits) if hit is None]
         cached = [i for i, hit in enumerate(hits) if hit is not None]
@@ -250,8 +249,7 @@ class Engine:
         if cached:
             self._join([seqs[i] for i in cached],
                        *self._run_cached([token_lists[i] for i in cached], [hits[i] for i in cached]))
-        joined = self.join_fit.sums["t"] - joining  # (the join has its own line)
-        self.prefill_fit.add(self.tokens_prefilled - fed, time.perf_counter() - start - joined)
+        self.prefill_fit.add(self.tokens_prefilled - fed, time.perf_counter() - start)
 
     def _run_fresh(self, token_lists: list[list[int]]):
         """Each distinct token list once (left-padded), its KV rows given to every sequence that has it:
@@ -298,11 +296,6 @@ class Engine:
     def _join(self, seqs: list[Sequence], layers: list, mask: torch.Tensor, logits: torch.Tensor,
               positions: torch.Tensor) -> None:
         """Prefilled rows into the running batch."""
-        with self.join_fit.timed(len(self.rows) * self.mask.shape[1] if self.rows else 0):
-            self._join_rows(seqs, layers, mask, logits, positions)
-
-    def _join_rows(self, seqs: list[Sequence], layers: list, mask: torch.Tensor, logits: torch.Tensor,
-                   positions: torch.Tensor) -> None:
         temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
         top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
         if None in self.rows:  # the cache is copied here anyway: leave the finished rows out

@@ -252,7 +252,6 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 "running": len(engine.running),
                 "decode_fit": engine.decode_fit.sums,  # (sums: they add across replicas)
                 "prefill_fit": engine.prefill_fit.sums,
-                "join_fit": engine.join_fit.sums,
                 "waiting": worker.waiting(),
             }
         )

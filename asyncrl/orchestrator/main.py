@@ -265,12 +265,12 @@ class Orchestrator:
             marker = await self._wait_for_version(version)
             seen = time.monotonic()
             await self.router.load(version, marker)
-            await self._notify()  # (admission goes on while the step is recorded: at η = 0 it waits for this)
-            self.serve_seconds += time.monotonic() - seen  # (until admission hears of it: asyncrl plan)
             teacher = await self.teacher.stats() if self.teacher else {}
             stats = {**await self.router.stats(), "teacher": teacher}
             record = step_record(self, version, marker, stats)
             self.ledger.record_step(version, record)
+            await self._notify()
+            self.serve_seconds += time.monotonic() - seen  # (until admission hears of it: asyncrl plan)
             self._write_metrics(record)
             self._commit(await self.link.checkpoints())
             await self.link.copy_events(self.ledger)

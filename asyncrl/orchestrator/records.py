@@ -91,7 +91,7 @@ def step_record(orch, version: int, marker: dict, stats: dict) -> dict:
         "in_flight_groups": len(orch.in_flight), "in_flight_groups_max": peak,
         "ready_groups": len(orch.ready), "replicas_routed": stats["replicas_routed"],
         # the engines' cost lines, summed over replicas (asyncrl/observe/fit.py; absent from vLLM)
-        **{k: stats[k] for k in ("decode_fit", "prefill_fit", "join_fit") if k in stats},
+        **{k: stats[k] for k in ("decode_fit", "prefill_fit") if k in stats},
         **{k: v for k, v in stats.get("teacher", {}).items() if not k.startswith("time/")},
         **{k: v for k, v in marker.items() if k not in MARKER_IDS},
     }

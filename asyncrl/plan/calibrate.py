@@ -1,8 +1,7 @@
 """Rates from a measured run: `asyncrl plan --calibrate RUN_DIR`.
 
 Everything comes from what the run recorded (metrics.jsonl, the ledger): the built-in engine's
-cost lines (seconds per decode step against its rows, per prefill against its tokens, per join of
-admitted rows against the running cache's cells, summed over
+cost lines (seconds per decode step against its rows, per prefill against its tokens, summed over
 replicas: asyncrl/observe/fit.py), a version's load per replica, the trainer's busy seconds per
 step against the step's tokens (a least-squares line over the steps after the first, whose
 start-up it leaves out), the orchestrator's CPU per group, and the time from a version's marker to
@@ -39,19 +38,17 @@ def calibrate(run_dir: str | Path) -> tuple[Rates, Workload, dict]:
     replicas, versions = last.get("replicas_routed", 1) or 1, last["version"]
     decode_base, decode_per_row = solve(last["decode_fit"])
     prefill_base, prefill_per_token = solve(last["prefill_fit"])
-    join_base, join_per_cell = solve(last.get("join_fit", {}))  # (absent from runs before it: 0, 0)
     load = last.get("time/inference/load_weights", 0.0) / (versions * replicas)
     step_base, step_per_token = _trainer_line(steps)
     groups = sum(r["samples"] for r in steps) / cfg.rollout.group_size
     rates = Rates(
         decode_base=decode_base, decode_per_row=decode_per_row,
         prefill_base=prefill_base, prefill_per_token=prefill_per_token,
-        join_base=join_base, join_per_cell=join_per_cell,
         load_seconds=load,
         step_base=step_base, step_per_token=step_per_token * cfg.trainer.ranks,  # (one rank's)
         group_seconds=last.get("time/orchestrator/cpu", 0.0) / max(groups, 1),
-        # (the last record holds the serving of its own version and every one before it)
-        handoff_seconds=max(last["serve_seconds"] / versions - load, 0.0),
+        # (the last record holds the serving of the versions before it)
+        handoff_seconds=max(last["serve_seconds"] / (versions - 1) - load, 0.0),
         source=str(run_dir),
     )
     layout = {"replicas": replicas, "ranks": cfg.trainer.ranks, "inference_threads": cfg.inference.threads,

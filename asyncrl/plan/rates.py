@@ -1,9 +1,8 @@
 """What a layout's parts cost: the rate model `asyncrl plan` simulates with.
 
 Seconds, per device: an inference replica's decode step is `decode_base + decode_per_row · rows`
-and a prefill `prefill_base + prefill_per_token · tokens`, its admitted rows joining the running
-ones `join_base + join_per_cell · cells` (the built-in engine measures the three lines as it runs:
-asyncrl/observe/fit.py); a version's load takes `load_seconds` on each replica. A
+and a prefill `prefill_base + prefill_per_token · tokens` (the built-in engine measures both lines
+as it runs: asyncrl/observe/fit.py); a version's load takes `load_seconds` on each replica. A
 training step on one rank is `step_base + step_per_token · completion tokens`; `ranks` ranks
 divide the per-token part (data parallel). `group_seconds` is the orchestrator's and the
 verifier's time from a group's last token to the ready pool; `handoff_seconds` from a published
@@ -29,10 +28,6 @@ class Rates:
     load_seconds: float
     step_base: float
     step_per_token: float
-    # the built-in engine copies its running cache into a new one on each admission:
-    # `join_base + join_per_cell · running rows × their width` (0 for engines with a paged cache, vLLM)
-    join_base: float = 0.0
-    join_per_cell: float = 0.0
     group_seconds: float = 0.0
     handoff_seconds: float = 0.0
     source: str = ""  # where they were measured (a run directory, a paper)

@@ -1,8 +1,7 @@
 """A simulated inference replica: the built-in engine's continuous batching on a rate model.
 
 Each step admits waiting sequences up to the batch's row limit (one prefill for the distinct
-prompts among them, as the engine shares a prompt's rows among its G samples, then their join to
-the running rows, whose cache is copied), then decodes one
+prompts among them, as the engine shares a prompt's rows among its G samples), then decodes one
 token for every running row; a sequence leaves the batch when its turn's tokens are out. A new
 version is applied at a step boundary under the run's update policy, as the engine's `reload`
 does: keep (caches kept), interrupt (running rows re-prefilled), abort (they start over), finish
@@ -119,8 +118,6 @@ class Replica:
         if room <= 0 or not self.waiting:
             return 0.0
         admitted = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        # the engine copies the running cache (rows × its width, left-padded to the longest context)
-        cells = len(self.running) * max((s.context for s in self.running), default=0)
         fed, seen = 0, set()
         for seq in admitted:
             if seq.oldest is None:
@@ -131,7 +128,7 @@ class Replica:
                 seen.add(seq.shared_key)
                 fed += seq.context
         self.running.extend(admitted)
-        return self._prefill_cost(fed) + self.rates.join_base + self.rates.join_per_cell * cells
+        return self._prefill_cost(fed)
 
     def _prefill_cost(self, tokens: int) -> float:
         return self.rates.prefill_base + self.rates.prefill_per_token * tokens if tokens else 0.0
