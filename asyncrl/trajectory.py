@@ -28,6 +28,10 @@ class Trajectory:
     # position ([ids, logprobs]; [] elsewhere). None: the run has no teacher.
     teacher_logprobs: list[float] | None = None
     teacher_top: list[list[list]] | None = None
+    # a mixture-of-experts policy's routing (docs/moe.md): the experts the engine chose for each token it
+    # fed, [len(tokens) - 1, MoE layers, top-k] packed (asyncrl/policy/routing.py); None: a dense policy,
+    # or an engine that does not record it
+    routing: dict | None = None
 
     @property
     def oldest_version(self) -> int:

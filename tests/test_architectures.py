@@ -1,8 +1,8 @@
 """Real architectures, built locally from their configs at small sizes with a byte-level BPE tokenizer:
-Qwen3 (q/k norms, grouped-query attention, tied embeddings), Qwen2 (q/k/v biases, GQA, untied) and Llama
-(multi-head, untied). For each: a save / load round trip, the built-in engine's sampled logprobs against
-the trainer's forward, a trainer step on 2 ranks against 1, and a checkpoint exported as a plain Hugging
-Face directory."""
+Qwen3 (q/k norms, grouped-query attention, tied embeddings), Qwen2 (q/k/v biases, GQA, untied), Llama
+(multi-head, untied) and Qwen3-MoE (every MLP 8 experts, top-2). For each: a save / load round trip,
+the built-in engine's sampled logprobs against the trainer's forward, a trainer step on 2 ranks against
+1, and a checkpoint exported as a plain Hugging Face directory."""
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ ARCHITECTURES = {  # name: (architecture, heads, kv_heads, tied)
     "qwen3-gqa-tied": ("qwen3", 4, 2, True),
     "qwen2-gqa-untied": ("qwen2", 4, 2, False),
     "llama-mha-untied": ("llama", 4, 4, False),
+    "qwen3_moe-gqa-tied": ("qwen3_moe", 4, 2, True),  # 8 experts, 2 routed per token
 }
 TEXTS = [f"{a}+{b}={a + b}" for a in range(40) for b in range(0, 40, 3)]
 

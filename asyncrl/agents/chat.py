@@ -220,5 +220,6 @@ class PolicySession:
         episode.add_context(new_ids)  # only now: a failed call leaves the record as it was
         episode.add_sampled(choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["versions"])
         episode.finish_reason = choice["finish_reason"]
+        episode.routing = choice.get("routing")
         self.last_sampled = choice["token_ids"]
         return choice

@@ -43,6 +43,9 @@ class Episode:
     last_turn: tuple[int, int] | None = None  # where the policy's latest sampled span lies in `tokens`
     # hindsight distillation: {"start", "end", "text"} per turn given a hint (asyncrl/orchestrator/teacher.py)
     hints: list[dict] = field(default_factory=list)
+    # a MoE policy's routing of every token up to the latest turn's (that turn's prompt was the whole
+    # record before it: the engine routed it all)
+    routing: dict | None = None
 
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids

@@ -1,5 +1,6 @@
 """Typed run configuration: TOML file + `--section.key value` overrides, validated at load; which
-changes a resumed run may take. The sections and their keys are in asyncrl/config/sections.py.
+changes a resumed run may take. The sections and their keys are in asyncrl/config/sections.py
+(the policy's in policy.py).
 
 Imports no torch, so the CLI can reject a bad config before any role starts.
 """
@@ -13,10 +14,10 @@ from typing import Any
 import tomllib
 from pydantic import BaseModel, ValidationError, model_validator
 
+from asyncrl.config.policy import ModelConfig, WarmstartConfig
 from asyncrl.config.sections import (
     AgentConfig,
     InferenceConfig,
-    ModelConfig,
     ObjectiveConfig,
     RolloutConfig,
     RunConfig,
@@ -25,7 +26,6 @@ from asyncrl.config.sections import (
     TeacherConfig,
     TimeoutConfig,
     TrainerConfig,
-    WarmstartConfig,
 )
 from asyncrl.errors import ConfigError
 from asyncrl.files import write_atomic
@@ -61,6 +61,12 @@ class Config(Section):
                 "objective.name = 'dr_grpo' needs rollout.advantage = 'dr_grpo' and objective.loss_agg = "
                 f"'constant' (got {ro.advantage!r} and {obj.loss_agg!r}); see asyncrl/objectives/dr_grpo.py"
             )
+        t = self.trainer
+        if t.routing_replay and (self.inference.engine == "vllm" or t.activation_checkpointing):
+            raise ValueError(
+                "trainer.routing_replay needs the engine's experts per token, recorded by the built-in "
+                "engine (inference.engine = 'vllm' does not report them yet), and a forward that is not "
+                "recomputed outside the replay (trainer.activation_checkpointing = false); docs/moe.md")
         if self.inference.engine == "vllm" and self.inference.update_policy != "finish":
             raise ValueError(
                 f"inference.update_policy = {self.inference.update_policy!r} needs per-token versions, "

@@ -56,54 +56,6 @@ class RunConfig(Section):
         return str(Path(value).expanduser().absolute()) if value else ""
 
 
-class ModelConfig(Section):
-    path: str = "models/tiny-default"
-    # When `path` is the default tiny model and it is missing, build it first (asyncrl warmstart).
-    warmstart_if_missing: bool = True
-
-
-class WarmstartConfig(Section):
-    """The supervised warm start that builds the tiny default policy (asyncrl/policy/warmstart.py)."""
-
-    steps: int = Field(1500, ge=1)
-    max_seconds: float = Field(900.0, gt=0, description="stop early on a slow machine")
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0, description="peak (asyncrl/policy/warmstart.py has the schedule)")
-    warmup_steps: int = Field(50, ge=1)
-    # bpe: byte-level BPE trained on the task's text, ChatML template (Qwen's); char: one token per
-    # character with the compact "tiny" template
-    tokenizer: Literal["bpe", "char"] = "bpe"
-    vocab_size: int = Field(
-        512, ge=300, description="bpe: at most this many tokens (256 bytes + merges + specials)"
-    )
-    architecture: Literal["qwen3", "qwen2", "llama"] = "qwen3"
-    hidden_size: int = Field(128, ge=8)
-    layers: int = Field(4, ge=1)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1, description="grouped-query attention: key/value heads (divides heads)")
-    threads: int = Field(2, ge=1)
-    seed: int = 0
-    # "module:function" taking a random.Random and returning one demonstration conversation
-    # {"messages": [...], "tools": [...]}: supervised data for agent tasks (the policy learns on
-    # its replies only). None: the task's prompt -> answer pairs.
-    demos: str | None = None
-    # "module:function" (entry, rng, **teacher_params) -> the answer a prompt -> answer demonstration
-    # shows (asyncrl/rewards/teachers.py); None: the task's own answer
-    teacher: str | None = "asyncrl.rewards.teachers:drops_overflow"
-    teacher_params: dict[str, Any] = {"slip": 0.7}
-    # a policy (HF name or directory) to fine-tune instead of a freshly built tiny model: its tokenizer and
-    # weights, so a new task's warm start can begin from a policy that already has the skill (e.g. the
-    # default's sums, for the same sums behind a long preamble); the architecture fields are then unused
-    base: str | None = None
-
-    @model_validator(mode="after")
-    def _check_heads(self) -> "WarmstartConfig":
-        if self.heads % self.kv_heads or self.hidden_size % self.heads:
-            raise ValueError(f"warmstart.heads = {self.heads} must be a multiple of warmstart.kv_heads = "
-                             f"{self.kv_heads} and divide warmstart.hidden_size = {self.hidden_size}")
-        return self
-
-
 class TaskMix(Section):
     """One task of a multi-task run (`[[task.mix]]`); the fields mean what they do in [task]."""
 
@@ -285,6 +237,9 @@ class TrainerConfig(Section):
     mixed_precision: Literal["off", "bf16"] = "off"
     # recompute each block's activations in the backward pass: less memory, ~30% more compute
     activation_checkpointing: bool = False
+    # a mixture-of-experts policy's forward takes the experts the engine chose for each token, its gate
+    # weights recomputed over them (R3: asyncrl/policy/routing.py, docs/moe.md); samples must carry routing
+    routing_replay: bool = False
     # run.launcher = "ray": what the trainer's actor asks of its node besides its threads (e.g. {GPU = 1})
     ray_resources: dict[str, float] = {}
 

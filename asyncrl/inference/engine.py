@@ -22,6 +22,7 @@ import torch
 from asyncrl.inference import kv
 from asyncrl.inference.prefix_cache import PrefixCache
 from asyncrl.observe.fit import LinearFit
+from asyncrl.policy import routing
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why an "abort" came from the engine itself (a failed step)
+    # a MoE policy's experts for each token fed (prompt, then every sampled token but the last): chunks of
+    # [tokens, MoE layers, top-k] (asyncrl/policy/routing.py)
+    routes: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -93,7 +97,10 @@ class Engine:
         self.tokens_discarded = 0  # sampled, then thrown away by an "abort" reload
         self.tokens_prefilled = 0  # fed through the model to admit sequences (padding not counted)
         self.tokens_reused = 0  # of admitted prompts, found in the prefix cache instead
-        self.prefixes = PrefixCache(prefix_cache_tokens)
+        # a mixture-of-experts policy: each fed token's experts are recorded (routing replay, docs/moe.md);
+        # a cached prefix would have none, so its later turns prefill again
+        self.routers = routing.routers(model)
+        self.prefixes = PrefixCache(0 if self.routers else prefix_cache_tokens)
         # seconds per decode step against its rows, per prefill against its tokens: the rate model
         # `asyncrl plan` calibrates from (asyncrl/plan/calibrate.py)
         self.decode_fit, self.prefill_fit = LinearFit(), LinearFit()
@@ -191,9 +198,13 @@ class Engine:
                                     for k, v in kv.tensors(self.cache)])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         use_cache=True, **{self.cache_arg: self.cache})
+        with routing.record(self.routers) as calls:
+            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                             use_cache=True, **{self.cache_arg: self.cache})
         self.cache, self.logits = out[self.cache_arg], out.logits[:, -1]
+        for seq, routes in zip(self.rows, routing.per_row(calls, len(self.rows), 1)):
+            if seq is not None:  # (a finished row not yet compacted away)
+                seq.sample.routes.append(routes)
 
     def _compact(self) -> torch.Tensor:
         """Drop the finished rows from the batch and its cache; returns the kept rows' old indices."""
@@ -245,7 +256,10 @@ class Engine:
         fresh = [i for i, hit in enumerate(hits) if hit is None]
         cached = [i for i, hit in enumerate(hits) if hit is not None]
         if fresh:
-            self._join([seqs[i] for i in fresh], *self._run_fresh([token_lists[i] for i in fresh]))
+            with routing.record(self.routers) as calls:
+                prefilled = self._run_fresh([token_lists[i] for i in fresh])
+            self._note_prompt_routes(calls, [seqs[i] for i in fresh], [token_lists[i] for i in fresh])
+            self._join([seqs[i] for i in fresh], *prefilled)
         if cached:
             self._join([seqs[i] for i in cached],
                        *self._run_cached([token_lists[i] for i in cached], [hits[i] for i in cached]))
@@ -269,6 +283,16 @@ class Engine:
         rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long, device=self.device)
         layers, mask = kv.select(kv.tensors(out[self.cache_arg]), mask, rows)
         return layers, mask, out.logits[:, -1][rows], positions[:, -1][rows] + 1
+
+    def _note_prompt_routes(self, calls: list, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
+        """Each sequence's routes start over with its prefill's ([pads, tokens] rows, a row per distinct
+        list, as _run_fresh feeds them)."""
+        distinct = list(dict.fromkeys(map(tuple, token_lists)))
+        width = max(map(len, distinct))
+        per_list = routing.per_row(calls, len(distinct), width)
+        index = {t: i for i, t in enumerate(distinct)}
+        for seq, toks in zip(seqs, token_lists):
+            seq.sample.routes = [per_list[index[tuple(toks)]][width - len(toks):]] if per_list else []
 
     def _run_cached(self, token_lists: list[list[int]], hits: list[tuple[int, list]]):
         """Each list's tokens after its cached prefix, attending to the prefix's keys and values (both

@@ -44,6 +44,7 @@ from asyncrl.files import write_atomic
 from asyncrl.inference import replica, scoring
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
+from asyncrl.policy import routing
 from asyncrl.policy.model import load_policy
 from asyncrl.run import event_loop
 from asyncrl.run.heartbeat import Heartbeat
@@ -103,6 +104,7 @@ def _choices(samples, n: int, tokenizer, first: int = 0) -> list[dict]:
             "token_ids": s.token_ids,
             "logprobs": {"token_logprobs": s.logprobs},
             "versions": s.versions,
+            **({"routing": routing.pack(routing.stacked(s.routes))} if s.routes else {}),
             "finish_reason": s.finish_reason,
             **({"error": s.error} if s.error else {}),
             "prompt_index": i // n,

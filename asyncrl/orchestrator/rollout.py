@@ -48,6 +48,7 @@ async def score_group(verifiers: VerifierPool, entry: dict, prompt: list[int], i
             loss_mask=[0] * len(prompt) + [1] * len(completion),
             logprobs=[0.0] * len(prompt) + choice["logprobs"]["token_logprobs"],
             versions=[-1] * len(prompt) + choice["versions"],
+            routing=choice.get("routing"),
             reward=reward,
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
                   "answer": entry["answer"], "generate_seconds": seconds,
@@ -91,6 +92,7 @@ async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
                 loss_mask=ep.loss_mask,
                 logprobs=ep.logprobs,
                 versions=ep.versions,
+                routing=ep.routing,
                 reward=out.reward,
                 info={
                     "finish_reason": ep.finish_reason,

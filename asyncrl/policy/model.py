@@ -115,9 +115,12 @@ def chatml_corpus(texts: Iterable[str], weight: int = 200) -> Iterable[str]:
 
 # --- architectures ----------------------------------------------------------------------------
 def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: int = 4, seed: int = 0,
-                     architecture: str = "llama", kv_heads: int | None = None, tied: bool = True):
-    """A freshly initialised causal LM: "qwen3" (q/k RMS norms), "qwen2" (q/k/v biases) or "llama";
-    grouped-query attention with `kv_heads` < `heads`; the output layer tied to the embedding or not."""
+                     architecture: str = "llama", kv_heads: int | None = None, tied: bool = True,
+                     experts: int = 8, experts_per_token: int = 2):
+    """A freshly initialised causal LM: "qwen3" (q/k RMS norms), "qwen2" (q/k/v biases), "llama", or
+    "qwen3_moe" (Qwen3 whose every MLP is `experts` experts, `experts_per_token` routed per token, the
+    gate weights renormalised over them, as Qwen3-30B-A3B's); grouped-query attention with `kv_heads` <
+    `heads`; the output layer tied to the embedding or not."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -126,6 +129,8 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: 
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -137,11 +142,15 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: 
     )
     if architecture == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=hidden_size // heads, **common))
+    if architecture == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            head_dim=hidden_size // heads, num_experts=experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=hidden_size, norm_topk_prob=True, **common))
     if architecture == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common))
     if architecture == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
-    raise ValueError(f"architecture {architecture!r} is not one of qwen3, qwen2, llama")
+    raise ValueError(f"architecture {architecture!r} is not one of qwen3, qwen2, llama, qwen3_moe")
 
 
 def load_policy(path: str | Path):

@@ -210,7 +210,8 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     else:
         tokenizer = build_tokenizer(cfg, train_tasks, demos)
         model = build_tiny_model(
-            tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads
+            tokenizer, ws.hidden_size, ws.layers, ws.heads, ws.seed, ws.architecture, ws.kv_heads,
+            experts=ws.experts, experts_per_token=ws.experts_per_token,
         )
     architecture = model.config.model_type
     n_params = sum(p.numel() for p in model.parameters())

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.config.sections import ModelConfig
+from asyncrl.config.policy import ModelConfig
 from asyncrl.observe.sinks import check_installed
 from asyncrl.run.sizes import check_sizes
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.inference import kv
+from asyncrl.policy import routing
 
 # A forward call's fixed cost in tokens' worth of compute: rows are only split into length buckets, and
 # prompts only shared, when the tokens saved outweigh the extra calls.
@@ -88,9 +89,19 @@ def _forward(model, batch, rows, lengths, temperature, entropy_grad, chunk_value
     tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # (the last position predicts nothing)
     targets = _with_top(batch, targets, idx[:, None], torch.arange(w, device=idx.device)[None])
-    with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
+    with chunked_head(model, targets, temperature, entropy_grad, chunk_values), \
+            _replaying(model, batch, idx[:, None], torch.arange(w, device=idx.device)[None]):
         out = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
     return _outputs(out, batch["tokens"].shape[1] - 1, entropy_grad)
+
+
+def _replaying(model, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
+    """Within the block the model's routers take the engine's experts for the tokens at [rows, cols] (a
+    forward over them, flattened as the MoE blocks do), when the batch has them (routing replay)."""
+    if "routing" not in batch:
+        return contextlib.nullcontext()
+    chosen = batch["routing"][rows, cols]  # [b, w, layers, k]
+    return routing.replay(model, chosen.permute(2, 0, 1, 3).reshape(chosen.shape[2], -1, chosen.shape[3]))
 
 
 def _with_top(batch: dict, targets: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -149,7 +160,8 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
     prefix_attention = (torch.arange(q_max, device=device)[None] < qs[:, None]).long()
     prefix_targets = _with_top(batch, tokens[first, 1:q_max + 1], first[:, None],
                                torch.arange(q_max, device=device)[None])
-    with chunked_head(model, prefix_targets, temperature, entropy_grad, chunk_values):
+    with chunked_head(model, prefix_targets, temperature, entropy_grad, chunk_values), \
+            _replaying(model, batch, first[:, None], torch.arange(q_max, device=device)[None]):
         prefix = model(input_ids=tokens[first, :q_max], attention_mask=prefix_attention, use_cache=True)
     cache_arg = kv.cache_kwarg(model)
     prefix_kv = kv.tensors(prefix[cache_arg])
@@ -164,7 +176,8 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
         ids = tokens[rows[:, None], cols.clamp(max=width)]
         targets = _with_top(batch, tokens[rows[:, None], (cols + 1).clamp(max=width)], rows[:, None], cols)
         cache = kv.build([(k[groups], v[groups]) for k, v in prefix_kv], model.config, spare=None)
-        with chunked_head(model, targets, temperature, entropy_grad, chunk_values):
+        with chunked_head(model, targets, temperature, entropy_grad, chunk_values), \
+                _replaying(model, batch, rows[:, None], cols.clamp(max=width)):
             out = model(input_ids=ids, attention_mask=torch.cat([prefix_attention[groups], valid.long()], 1),
                         position_ids=cols, use_cache=True, **{cache_arg: cache}).logits
         for j, i in enumerate(run):  # the shared positions' outputs, then the row's own

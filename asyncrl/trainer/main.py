@@ -26,6 +26,7 @@ from asyncrl.files import poll
 from asyncrl.objectives import get_objective
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.profile import Phases
+from asyncrl.policy import routing
 from asyncrl.policy.model import load_policy
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.role import FatalError, run_role
@@ -168,6 +169,10 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
     model, tokenizer, resumed = restore(run_dir, cfg, events, ranks)
     model.to(cfg.trainer.device).train()
     published = list(weights.model_state(model))
+    if cfg.trainer.routing_replay and not routing.routers(model):
+        raise FatalError(f"trainer.routing_replay = true, but {cfg.model.path} has no mixture-of-experts "
+                         "router asyncrl can replay (a dense policy, or a router other than softmax top-k: "
+                         f"{', '.join(sorted(routing.REPLAYABLE))})")
     if cfg.trainer.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ranks.shard(model, cfg.trainer.mixed_precision)

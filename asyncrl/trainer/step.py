@@ -11,6 +11,7 @@ import torch
 
 from asyncrl.objectives.common import LossInputs
 from asyncrl.observe.profile import Phases
+from asyncrl.policy import routing
 from asyncrl.rewards.tasks import as_number
 from asyncrl.run.role import ContractError
 from asyncrl.trainer.logprobs import token_logprobs
@@ -18,8 +19,11 @@ from asyncrl.trainer.ranks import Ranks
 from asyncrl.trajectory import Trajectory
 
 
-def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; per-token fields are shifted to align with next-token logits."""
+def collate(trajs: list[Trajectory], pad_id: int, version: int,
+            routing: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded tensors; per-token fields are shifted to align with next-token logits. `routing`: with
+    the engine's experts of every token ([B, T, MoE layers, k], unshifted: a token's routing is its
+    own input position's), for routing replay."""
     width = max(len(t.tokens) for t in trajs)
 
     def pad(field: str, fill, dtype) -> torch.Tensor:  # one tensor from padded lists: no per-row copies
@@ -34,6 +38,7 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
     return {
+        **(_routing_field(trajs, width) if routing else {}),
         **_teacher_fields(trajs, pad),
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "groups": torch.tensor([group_ids[t.group_id] for t in trajs], dtype=torch.long),
@@ -45,6 +50,25 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int) -> dict[str, tor
         "advantages": pad("advantages", 0.0, torch.float32)[:, 1:],
         "staleness": torch.where(mask > 0, version - versions, 0).float(),
     }
+
+
+def _routing_field(trajs: list[Trajectory], width: int) -> dict[str, torch.Tensor]:
+    """The engine's experts per token, -1 where none was recorded (the last sampled token, padding: those
+    tokens route by the trainer's own router, and no loss reads what they compute)."""
+    if missing := sum(t.routing is None for t in trajs):
+        raise ContractError(
+            f"trainer.routing_replay is on, but {missing} of the batch's {len(trajs)} samples carry no "
+            "routing: their engine did not record the experts it chose (a dense policy, or an engine without "
+            "routing records); turn routing_replay off or serve the MoE policy with the built-in engine")
+    routes = [routing.unpack(t.routing) for t in trajs]
+    layers, k = routes[0].shape[1:]
+    out = torch.full((len(trajs), width, layers, k), -1, dtype=torch.long)
+    for row, r in enumerate(routes):
+        if r.shape[1:] != (layers, k) or len(r) > width:
+            raise ContractError(f"sample {trajs[row].id}: routing of shape {tuple(r.shape)} for "
+                                f"{len(trajs[row].tokens)} tokens (the first's: [tokens, {layers}, {k}])")
+        out[row, :len(r)] = r
+    return {"routing": out}
 
 
 def _teacher_fields(trajs: list[Trajectory], pad) -> dict[str, torch.Tensor]:
@@ -130,7 +154,8 @@ def train_step(model, optimizer, objective, trajs: list[Trajectory], version: in
     phases, ranks = phases or Phases(), ranks or Ranks()
     device = next(model.parameters()).device
     with phases("collate"):
-        batch = {k: v.to(device) for k, v in collate(trajs, pad_id, version).items()}
+        batch = collate(trajs, pad_id, version, cfg.trainer.routing_replay)
+        batch = {k: v.to(device) for k, v in batch.items()}
         batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
     obj = cfg.objective
