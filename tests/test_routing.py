@@ -180,17 +180,22 @@ def moe_policy(tmp_path_factory) -> str:
 
 
 def test_a_moe_run_replays_the_engines_routing(moe_policy, tmp_path):
-    """Served by the built-in engine, every trained sample carries its tokens' experts (all but the
-    last token's), and the trainer replays them."""
+    """Served by the built-in engine in bfloat16 (R3's case: the trainer is in float32), every trained
+    sample carries its tokens' experts (all but the last token's), and the trainer replays them. (Each
+    new version's bfloat16 copy must hash as the engine holds it: until this test, serving in
+    bfloat16 without patches refused every version.)"""
     cfg = job_config(tmp_path, moe_policy, **{"run.steps": 3, "rollout.max_staleness": 1,
-                                              "trainer.routing_replay": True, "task.eval_size": 0})
+                                              "trainer.routing_replay": True, "task.eval_size": 0,
+                                              "inference.dtype": "bfloat16"})
     run_dir = train(cfg, log=lambda *a, **k: None)
     for step in range(cfg.run.steps):
         for t in read_batch(RunDir(run_dir).batch(step)):
             assert routing.unpack(t.routing).shape == (len(t.tokens) - 1, 2, 2)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     fresh = [r["mismatch_kl"] for r in steps if "step" in r and r["mismatch_kl"] == r["mismatch_kl"]]
-    assert fresh and max(map(abs, fresh)) < 1e-4  # (steps with tokens of the version they train: not NaN)
+    # (steps with tokens of the version they train: not NaN); bfloat16 against float32 arithmetic leaves
+    # ~1e-5 with replay (benchmarks/routing_replay.py)
+    assert fresh and max(map(abs, fresh)) < 1e-3
 
 
 def test_routing_replay_is_refused_where_it_cannot_work():

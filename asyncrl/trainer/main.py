@@ -251,6 +251,8 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                 weights.save_patch(run_dir, step + 1, patch)
                 served = new
                 metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
+            elif any(t.dtype != serving_dtype for t in state.values()):  # (the engine hashes what it holds)
+                metrics["serving_hash"] = weights.state_hash(weights.cast_state(state, serving_dtype))
         asked = "checkpoint" in header["actions"]  # (asyncrl ctl RUN checkpoint)
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == steps or asked:
             with phases("checkpoint"):
