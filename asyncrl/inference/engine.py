@@ -286,13 +286,15 @@ class Engine:
 
     def _note_prompt_routes(self, calls: list, seqs: list[Sequence], token_lists: list[list[int]]) -> None:
         """Each sequence's routes start over with its prefill's ([pads, tokens] rows, a row per distinct
-        list, as _run_fresh feeds them)."""
+        list, as _run_fresh feeds them). A dense model records nothing."""
+        if not calls:
+            return
         distinct = list(dict.fromkeys(map(tuple, token_lists)))
         width = max(map(len, distinct))
         per_list = routing.per_row(calls, len(distinct), width)
         index = {t: i for i, t in enumerate(distinct)}
         for seq, toks in zip(seqs, token_lists):
-            seq.sample.routes = [per_list[index[tuple(toks)]][width - len(toks):]] if per_list else []
+            seq.sample.routes = [per_list[index[tuple(toks)]][width - len(toks):]]
 
     def _run_cached(self, token_lists: list[list[int]], hits: list[tuple[int, list]]):
         """Each list's tokens after its cached prefix, attending to the prefix's keys and values (both
