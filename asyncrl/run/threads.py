@@ -85,6 +85,7 @@ def _best_of(call):
 
 
 def _trajectories(prompts, samples, group_size: int):
+    from asyncrl.policy import routing
     from asyncrl.trajectory import Trajectory
 
     return [
@@ -99,6 +100,8 @@ def _trajectories(prompts, samples, group_size: int):
             versions=[-1] * len(p) + [0] * len(s.token_ids),
             reward=float(i % 2),
             advantages=[0.0] * len(p) + [1.0 - 2 * (i % 2)] * len(s.token_ids),
+            # (a MoE policy's experts: a run with trainer.routing_replay times its step with replay)
+            routing=routing.pack(routing.stacked(s.routes)) if s.routes else None,
         )
         for i, (p, s) in enumerate(zip(prompts, samples))
     ]
