@@ -266,6 +266,16 @@ class CheckpointFiles:
         return self.path / "config.json"
 
     @property
+    def adapters(self) -> Path:
+        """trainer.lora: the checkpoint is a PEFT directory (adapter_config.json beside it), not a model's."""
+        return self.path / "adapter_model.safetensors"
+
+    @property
+    def weights(self) -> Path:
+        """What the checkpoint holds of the policy: its adapters, or its whole weights."""
+        return self.adapters if self.adapters.exists() else self.model
+
+    @property
     def optimizer(self) -> Path:
         return self.path / "optimizer"
 

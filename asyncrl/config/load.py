@@ -67,6 +67,11 @@ class Config(Section):
                 "trainer.routing_replay needs the engine's experts per token, recorded by the built-in "
                 "engine (inference.engine = 'vllm' does not report them yet), and a forward that is not "
                 "recomputed outside the replay (trainer.activation_checkpointing = false); docs/moe.md")
+        if t.lora.rank and (t.publish_patches or self.inference.weight_transfer == "nccl"):
+            raise ValueError(
+                "trainer.lora publishes each version as its adapters alone (a file of a few percent of the "
+                "weights): trainer.publish_patches and inference.weight_transfer = 'nccl' move whole "
+                "weights and do not apply; turn them off (docs/lora.md)")
         if self.inference.engine == "vllm" and self.inference.update_policy != "finish":
             raise ValueError(
                 f"inference.update_policy = {self.inference.update_policy!r} needs per-token versions, "
@@ -175,6 +180,8 @@ def _is_text(key: str) -> bool:
     options = typing.get_args(model) if typing.get_origin(model) is typing.Literal else ()
     if options:
         return all(isinstance(o, str) for o in options)
+    if typing.get_origin(model) in (list, tuple, dict):  # (a list of strings is a TOML list: ["a", "b"])
+        return False
     kinds = [k for k in (typing.get_args(model) or (model,)) if k is not type(None)]
     return field is not None and kinds == [str]
 

@@ -205,6 +205,20 @@ class ObjectiveConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
 
 
+class LoraConfig(Section):
+    """trainer.lora: train low-rank adapters (PEFT's LoRA) beside frozen weights; rank 0 = every weight
+    trains. Versions, checkpoints and the optimizer then hold the adapters alone (docs/lora.md)."""
+
+    rank: int = Field(0, ge=0, le=1024)
+    alpha: float = Field(16.0, gt=0, description="the update is (alpha / rank) * B @ A")
+    # dropout on the adapters' input in the trainer's forward (the engine has none): > 0 adds noise to the
+    # trainer's logprobs that the importance ratio then sees as off-policy-ness
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # module names (their last part) that get adapters: every linear layer of a Qwen/Llama block
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
+
+
 class TrainerConfig(Section):
     lr: float = Field(1e-4, gt=0)
     # Linear warm-up: Adam's first steps move every weight by ~lr whatever the gradient's size.
@@ -240,6 +254,7 @@ class TrainerConfig(Section):
     # a mixture-of-experts policy's forward takes the experts the engine chose for each token, its gate
     # weights recomputed over them (R3: asyncrl/policy/routing.py, docs/moe.md); samples must carry routing
     routing_replay: bool = False
+    lora: LoraConfig = LoraConfig()
     # run.launcher = "ray": what the trainer's actor asks of its node besides its threads (e.g. {GPU = 1})
     ray_resources: dict[str, float] = {}
 

@@ -44,7 +44,7 @@ from asyncrl.files import write_atomic
 from asyncrl.inference import replica, scoring
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
-from asyncrl.policy import routing
+from asyncrl.policy import lora, routing
 from asyncrl.policy.model import load_policy
 from asyncrl.run import event_loop
 from asyncrl.run.heartbeat import Heartbeat
@@ -319,7 +319,8 @@ async def serve(run_dir: Path, index: int = 0, teacher: bool = False) -> None:
         prefix_cache_tokens=cfg.inference.prefix_cache_tokens,
     )
     beats = Heartbeat(run_dir, replica.role(index, kind))
-    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, beats)
+    adapters = lora.Merged(model, cfg.trainer.lora) if cfg.trainer.lora.rank and not teacher else None
+    worker = Worker(engine, asyncio.get_running_loop(), cfg.inference.update_policy, beats, adapters)
     app = make_app(worker, tokenizer, model_path, cfg, run_dir)
     # handler_cancellation: a request whose client disconnects is cancelled, and with it its sequences
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

@@ -17,6 +17,7 @@ import torch
 from asyncrl.inference import scoring
 from asyncrl.inference.engine import Engine, SamplingParams, Sequence
 from asyncrl.observe.profile import Phases
+from asyncrl.policy import lora
 from asyncrl.transports import weights
 
 log = logging.getLogger("asyncrl.inference")
@@ -32,8 +33,11 @@ class Worker:
     loads; "interrupt" and "abort" load at the next token boundary.
     """
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str, heartbeat=None):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, update_policy: str, heartbeat=None,
+                 adapters: lora.Merged | None = None):
+        """`adapters` (trainer.lora): versions are adapters, merged into a copy of the base weights."""
         self.engine, self.loop, self.update_policy = engine, loop, update_policy
+        self.adapters = adapters
         self.heartbeat = heartbeat  # beaten by the engine thread: a stuck engine stops it
         self.commands: queue.Queue = queue.Queue()
         self.paused = False
@@ -150,6 +154,13 @@ class Worker:
         otherwise load the full file. Returns which one was used."""
         model = self.engine.model
         expected = body.get("hash")
+        if self.adapters is not None:
+            saved = weights.load(body["path"])
+            if expected is not None and weights.state_hash(saved) != expected:
+                raise ValueError(f"adapters of version {body['version']} from {body['path']} do not "
+                                 "match the trainer's hash")
+            self.adapters.apply(saved, body["path"])  # (checks every name and shape before writing one)
+            return "adapters"
         with torch.no_grad():
             if body.get("patch") and body.get("base_version") == self.engine.version:
                 live = weights.model_state(model)
@@ -172,9 +183,9 @@ class Worker:
         return "full"
 
     def _cmd_hash(self, future) -> None:
-        model = self.engine.model
-        self._resolve(future, {"version": self.engine.version,
-                               "hash": weights.state_hash(weights.model_state(model))})
+        held = self.adapters.held if self.adapters is not None and self.adapters.held else None
+        state = held or weights.model_state(self.engine.model)  # (a version's hash is its adapters')
+        self._resolve(future, {"version": self.engine.version, "hash": weights.state_hash(state)})
 
     def _cmd_pause(self, future) -> None:
         self.paused = True

@@ -72,7 +72,7 @@ def _check_weights(run_dir: Path, published: list[int], served: int, trained: in
             continue
         ckpt = RunDir(run_dir).checkpoint(version)
         if ckpt.exists() and checkpoint.verify_checkpoint(ckpt) is None:
-            state = weights.load(CheckpointFiles(ckpt).model)
+            state = weights.load(CheckpointFiles(ckpt).weights)
             if weights.state_hash(state) == marker["hash"]:
                 weights.publish(run_dir, version, state, {k: v for k, v in marker.items() if k != "hash"})
                 log(f"resume: {path.name} did not match its hash; re-published from {ckpt.name}")

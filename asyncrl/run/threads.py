@@ -116,7 +116,11 @@ def _time_training(cfg, model, pad_id: int, trajs) -> float:
 
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     learner = copy.deepcopy(model).train()
-    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-6)
+    if cfg.trainer.lora.rank:  # (the adapters' step: the frozen weights take no gradient)
+        from asyncrl.policy import lora
+
+        lora.attach(learner, cfg.trainer.lora)
+    optimizer = torch.optim.AdamW([p for p in learner.parameters() if p.requires_grad], lr=1e-6)
     train_step(learner, optimizer, objective, trajs[:8], 0, cfg, pad_id)  # warm-up
     return _best_of(lambda: train_step(learner, optimizer, objective, trajs, 0, cfg, pad_id))[0]
 

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from asyncrl.plugins import check_directory
+from asyncrl.policy import lora
 from asyncrl.rundir import CheckpointFiles, RunDir, checkpoint_dirs
 from asyncrl.transports import weights
 
@@ -129,8 +130,12 @@ class CheckpointWriter:
     Every rank of the trainer has one and calls `save` at the same step: `ranks` gives its place and the
     process group its optimizer shards are written over (None: one process, rank 0)."""
 
-    def __init__(self, run_dir: str | Path, tokenizer, keep: int, deadline: float, ranks=None):
+    def __init__(self, run_dir: str | Path, tokenizer, keep: int, deadline: float, ranks=None,
+                 adapter_config=None):
+        """`adapter_config` (trainer.lora: a peft LoraConfig): the model state saved is adapters, and a
+        checkpoint is a PEFT directory instead of a whole model's."""
         self.run = RunDir(run_dir)
+        self.adapter_config = adapter_config
         self.root = self.run.checkpoints
         self.tokenizer, self.keep, self.deadline = tokenizer, keep, deadline
         self.ranks = ranks
@@ -185,8 +190,12 @@ class CheckpointWriter:
             if not self.leader:
                 return
             final, written = self.run.checkpoint(step), CheckpointFiles(tmp)
-            save_file(snapshot["model"], str(written.model), metadata={"format": "pt"})
-            written.config.write_text(json.dumps(snapshot["config"], indent=2))
+            if self.adapter_config is not None:
+                save_file(snapshot["model"], str(written.adapters), metadata={"format": "pt"})
+                lora.write_config(self.adapter_config, tmp)
+            else:
+                save_file(snapshot["model"], str(written.model), metadata={"format": "pt"})
+                written.config.write_text(json.dumps(snapshot["config"], indent=2))
             self.tokenizer.save_pretrained(tmp)
             torch.save(snapshot["trainer"], written.trainer_state)
             files = {str(f.relative_to(tmp)): _sha256(f) for f in _files(tmp)}
@@ -262,7 +271,29 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     check_directory(out, "OUT_DIR")
     out.mkdir(parents=True, exist_ok=True)
     trainer_only = {CheckpointFiles(path).trainer_state, CheckpointFiles(path).manifest}
+    adapters = CheckpointFiles(path).adapters.exists()
+    if adapters:
+        (out / ADAPTER_DIR).mkdir(exist_ok=True)
     for f in path.iterdir():
         if f.is_file() and f not in trainer_only:
-            shutil.copy2(f, out / f.name)
+            shutil.copy2(f, out / (f"{ADAPTER_DIR}/{f.name}" if adapters else f.name))
+    if adapters:
+        _write_merged(out / ADAPTER_DIR, out)
     return out
+
+
+ADAPTER_DIR = "adapter"  # trainer.lora: export writes the merged model, and the PEFT directory inside it
+
+
+def _write_merged(adapter_dir: Path, out: Path) -> None:
+    """The base policy the adapters were trained on, with them merged in, as a plain HF directory."""
+    from types import SimpleNamespace
+
+    from asyncrl.policy.model import load_policy
+
+    config = json.loads((adapter_dir / lora.CONFIG_FILE).read_text())
+    model, tokenizer = load_policy(config["base_model_name_or_path"])
+    merged = lora.Merged(model, SimpleNamespace(alpha=config["lora_alpha"], rank=config["r"]))
+    merged.apply(weights.load(adapter_dir / lora.WEIGHTS_FILE), str(adapter_dir))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

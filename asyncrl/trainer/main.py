@@ -26,11 +26,11 @@ from asyncrl.files import poll
 from asyncrl.objectives import get_objective
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.profile import Phases
-from asyncrl.policy import routing
+from asyncrl.policy import lora, routing
 from asyncrl.policy.model import load_policy
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.role import FatalError, run_role
-from asyncrl.rundir import RunDir
+from asyncrl.rundir import CheckpointFiles, RunDir
 from asyncrl.store import checkpoint
 from asyncrl.store.ledger import batch_digest
 from asyncrl.trainer.ranks import Ranks, join_group
@@ -90,7 +90,18 @@ def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
         events.write("checkpoint_corrupt", detail=message)
 
     path = ranks.broadcast(checkpoint.latest(run_dir, log=corrupt) if ranks.leader else None)
-    model, tokenizer = load_policy(str(path) if path else cfg.model.path)
+    spec = cfg.trainer.lora if cfg.trainer.lora.rank else None
+    if path is not None and CheckpointFiles(path).adapters.exists() != bool(spec):
+        raise FatalError(f"trainer: checkpoint {path} holds {'adapters' if spec is None else 'whole weights'}"
+                         f", but trainer.lora.rank = {cfg.trainer.lora.rank}: a run trains adapters or whole "
+                         "weights from its start to its end (start a new run, or resume without the change)")
+    # (adapters: the base policy, then the checkpoint's adapters on it)
+    model, tokenizer = load_policy(str(path) if path and not spec else cfg.model.path)
+    if spec is not None:
+        lora.attach(model, spec)
+        if path is not None:
+            adapters = CheckpointFiles(path).adapters
+            lora.load_adapters(model, weights.load(adapters), str(adapters))
     if path is None:
         return model, tokenizer, None
     state = {"path": path, **checkpoint.load_trainer_state(path)}
@@ -161,6 +172,12 @@ class Setup:
     ref_model: torch.nn.Module | None
     published: list[str]  # names of the published weights (tied weights once), from the unsharded model
     settings: dict  # the live settings in force at the checkpoint resumed from (asyncrl/control/live.py)
+    adapters_only: bool  # trainer.lora: versions and checkpoints hold the adapters alone
+
+    def published_state(self, ranks: Ranks) -> dict[str, torch.Tensor]:
+        """What a version holds, on the leader (every rank takes part): the weights, or the adapters."""
+        state = ranks.full_model_state(self.model, self.published)
+        return lora.adapters(state) if self.adapters_only else state
 
 
 def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
@@ -168,7 +185,8 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
     torch.manual_seed(cfg.run.seed)
     model, tokenizer, resumed = restore(run_dir, cfg, events, ranks)
     model.to(cfg.trainer.device).train()
-    published = list(weights.model_state(model))
+    adapters_only = bool(cfg.trainer.lora.rank)
+    published = [name for name in weights.model_state(model) if not adapters_only or lora.is_adapter(name)]
     if cfg.trainer.routing_replay and not routing.routers(model):
         raise FatalError(f"trainer.routing_replay = true, but {cfg.model.path} has no mixture-of-experts "
                          "router asyncrl can replay (a dense policy, or a router other than softmax top-k: "
@@ -180,7 +198,8 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
     if cfg.objective.kl_coef > 0:  # the KL anchor is the initial policy, frozen (a whole copy per rank)
         ref_model = load_policy(cfg.model.path)[0].to(cfg.trainer.device).eval().requires_grad_(False)
     t = cfg.trainer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters alone)
+    optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     first_step, settings = 0, {}
     if resumed is not None:
@@ -188,7 +207,8 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
         scheduler.load_state_dict(resumed["scheduler"])
         torch.set_rng_state(resumed["rng"])
         first_step, settings = resumed["step"], resumed.get("settings", {})
-    return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published, settings)
+    return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published, settings,
+                 adapters_only)
 
 
 def train(run_dir: Path, cfg, ranks: Ranks) -> None:
@@ -199,10 +219,13 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
     model, optimizer, scheduler = setup.model, setup.optimizer, setup.scheduler
     objective = get_objective(cfg.objective.name, cfg.objective.import_path)
     serving_dtype = getattr(torch, cfg.inference.dtype)
-    state = ranks.full_model_state(model, setup.published)
+    state = setup.published_state(ranks)
     served = weights.cast_state(state, serving_dtype) if cfg.trainer.publish_patches and leader else None
+    adapter_config = lora.peft_config(cfg.trainer.lora, cfg.model.path) if setup.adapters_only else None
     writer = checkpoint.CheckpointWriter(run_dir, setup.tokenizer, cfg.trainer.keep_checkpoints,
-                                         cfg.timeouts.checkpoint, ranks)
+                                         cfg.timeouts.checkpoint, ranks, adapter_config)
+    if leader and adapter_config is not None:  # (beside the versions: each is a PEFT directory's weights)
+        lora.write_config(adapter_config, RunDir(run_dir).weights)
     sender = None  # inference.weight_transfer = "nccl": versions go from here into the vLLM replicas
     if leader and cfg.inference.weight_transfer == "nccl":
         from asyncrl.transports.weight_sender import Sender
@@ -244,14 +267,15 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
             batch_digest=batch_digest([t.id for t in trajs]),
         )
         with phases("publish"):
-            state = ranks.full_model_state(model, setup.published)  # (every rank takes part)
+            state = setup.published_state(ranks)
             if served is not None:  # the patch lands before the marker that announces the version
                 new = weights.cast_state(state, serving_dtype)
                 patch, changed, total = weights.make_patch(served, new)
                 weights.save_patch(run_dir, step + 1, patch)
                 served = new
                 metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
-            elif any(t.dtype != serving_dtype for t in state.values()):  # (the engine hashes what it holds)
+            elif not setup.adapters_only and any(t.dtype != serving_dtype for t in state.values()):
+                # (the engine hashes what it holds; adapters it holds as published, and merges them)
                 metrics["serving_hash"] = weights.state_hash(weights.cast_state(state, serving_dtype))
         asked = "checkpoint" in header["actions"]  # (asyncrl ctl RUN checkpoint)
         if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == steps or asked:
