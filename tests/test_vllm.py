@@ -36,3 +36,19 @@ def test_synchronous_run_on_vllm_reloads_every_version(tiny_model, tmp_path):
     assert all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
     for step in range(4):
         assert {v for t in read_batch(RunDir(run_dir).batch(step)) for v in t.versions if v >= 0} == {step}
+
+
+def test_lora_versions_load_as_vllm_adapters(tiny_model, tmp_path):
+    """trainer.lora on vLLM: each version is loaded as a LoRA adapter and served under its own name; at
+    η = 0 the trainer's logprobs equal vLLM's only if each version's adapter was the one sampling."""
+    cfg = job_config(tmp_path, tiny_model, **{
+        "inference.engine": "vllm", "inference.vllm_python": VLLM_PYTHON, "inference.update_policy": "finish",
+        "rollout.max_staleness": 0, "run.steps": 4, "timeouts.startup": 600, "trainer.lora.rank": 4,
+        "trainer.lr": 3e-3,
+    })
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    steps = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line
+    ]
+    assert len(steps) == 4 and all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
+    assert (RunDir(run_dir).weights / "v000003.lora" / "adapter_config.json").exists()

@@ -10,6 +10,11 @@ vLLM's CPU build), and resumes; new requests wait for the update. Every token of
 therefore sampled by the version current when the request started: the "finish" policy.
 Interrupting mid-request would need per-token versions, which vLLM does not report.
 
+With trainer.lora a version is adapters: the client loads each into vLLM as a LoRA adapter of its own
+name (`/v1/load_lora_adapter`, from a PEFT directory beside the version's file; the server is started with
+`--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING), asks for completions under that name, and unloads
+the previous one; version 0 is the base model.
+
 With inference.weight_transfer = "nccl" the reload is replaced by a push: between the pause and the
 resume the client asks the trainer's weight sender (asyncrl/transports/weight_sender.py; not yet run on a
 GPU) to broadcast its newest version into this server, and records the version it names.
@@ -37,13 +42,27 @@ def version_dir(weights_path: str) -> str:
     return str(directory)
 
 
+def adapter_dir(weights_path: str) -> str:
+    """vLLM loads an adapter from a PEFT directory: v000007.safetensors -> v000007.lora/ holding it as
+    adapter_model.safetensors beside the run's adapter_config.json (both links)."""
+    path = Path(weights_path)
+    directory = path.with_suffix(".lora")
+    directory.mkdir(exist_ok=True)
+    for name, target in (("adapter_model.safetensors", path), ("adapter_config.json",
+                                                              path.parent / "adapter_config.json")):
+        if not (directory / name).exists():
+            os.symlink(os.path.relpath(target, directory), directory / name)
+    return str(directory)
+
+
 class VLLMClient(InferenceClient):
     def __init__(self, url: str, timeout: float, model: str, sender: Path | None = None,
-                 token: str | None = None):
+                 token: str | None = None, adapters: bool = False):
         """`sender`: the trainer's weight_sender.json, when versions are broadcast over NCCL (`token`: the
-        run's, which the sender asks for)."""
+        run's, which the sender asks for). `adapters` (trainer.lora): versions are LoRA adapters."""
         super().__init__(url, timeout)
-        self.model = model
+        self.model = model  # what completions ask for: the base model, or the served version's adapter
+        self.adapters = adapters
         self.sender, self.token = sender, token
         self.incarnation = uuid.uuid4().hex  # a new one whenever the server may be a new process
         self.current_version = 0
@@ -112,6 +131,8 @@ class VLLMClient(InferenceClient):
             await self._call("POST", "/pause?mode=wait", f"pausing before version {version}", timeout)
             if self.sender is not None:
                 version = await self._pushed(version, timeout)
+            elif self.adapters:
+                await self._swap_adapter(version, body["path"], timeout)
             else:
                 rpc = {"method": "reload_weights", "kwargs": {"weights_path": version_dir(body["path"])}}
                 await self._call(
@@ -122,6 +143,17 @@ class VLLMClient(InferenceClient):
         finally:
             self.updating.set()
         return {"version": version, "loaded_from": "full"}
+
+    async def _swap_adapter(self, version: int, path: str, timeout: float) -> None:
+        """Load version `version`'s adapters under the name v<version>, serve it, unload the one before."""
+        name, before = f"v{version}", self.model
+        load = {"lora_name": name, "lora_path": adapter_dir(path)}
+        await self._call("POST", "/v1/load_lora_adapter", f"loading adapters of version {version}", timeout,
+                         json=load)
+        self.model = name
+        if before.startswith("v") and before != name:  # (the requests of the old one are done: paused)
+            await self._call("POST", "/v1/unload_lora_adapter", f"unloading adapters {before}", timeout,
+                             json={"lora_name": before})
 
     async def _pushed(self, version: int, timeout: float) -> int:
         """Have the trainer broadcast its newest version (>= `version`) into this server; that version."""

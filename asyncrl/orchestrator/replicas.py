@@ -261,5 +261,6 @@ def client_for(cfg, url: str, token: str | None = None, run_dir=None):
     if cfg.inference.engine == "vllm":
         nccl = cfg.inference.weight_transfer == "nccl"
         return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path,
-                          sender=RunDir(run_dir).weight_sender if nccl else None, token=token)
+                          sender=RunDir(run_dir).weight_sender if nccl else None, token=token,
+                          adapters=bool(cfg.trainer.lora.rank))
     return InferenceClient(url, cfg.timeouts.http, token)

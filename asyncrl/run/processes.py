@@ -86,11 +86,16 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int =
            "--seed", str(cfg.run.seed), *extra]
     if cfg.inference.weight_transfer == "nccl" and not teacher:  # (trainer broadcasts: weight_sender.py)
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    lora = cfg.trainer.lora.rank and not teacher  # (versions are adapters: vllm_client.py)
+    if lora:  # vLLM takes ranks 8, 16, 32, ... as its largest
+        largest = max(8, 2 ** (lora - 1).bit_length())
+        cmd += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(largest)]
     env = dict(
         os.environ,
         VLLM_SERVER_DEV_MODE="1",
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         OMP_NUM_THREADS=str(threads),
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
     )
     if teacher:  # (the run's token guards it like the built-in servers' admin endpoints)
         env["VLLM_API_KEY"] = (RunDir(run_dir).token).read_text().strip()
