@@ -98,9 +98,12 @@ class Merged:
         with torch.no_grad():
             for name, (a, b) in pairs.items():
                 weight = self.modules[name].weight
-                base = self.base.setdefault(name, weight.detach().clone())
-                delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * self.scale
-                weight.copy_((base.float() + delta).to(weight.dtype))
+                if name not in self.base:
+                    self.base[name] = weight.detach().clone()
+                # PEFT's order, (B A) · scale + W0, in float32; one buffer for the whole sum
+                merged = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
+                merged.mul_(self.scale).add_(self.base[name])
+                weight.copy_(merged)
         self.held = saved
 
     def _pairs(self, saved: dict[str, torch.Tensor], where: str) -> dict[str, tuple]:
