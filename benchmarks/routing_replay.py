@@ -62,7 +62,7 @@ def run(replay: bool, seed: int, steps: int) -> Path:
 
 
 def mismatch_kl(model, trajs, replay: bool) -> float:
-    batch = collate(trajs, model.config.pad_token_id or 0, version=0, routing=replay)
+    batch = collate(trajs, model.config.pad_token_id or 0, version=0, with_routes=replay)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature=1.0)
     mask = batch["mask"] > 0

@@ -139,7 +139,7 @@ def test_the_trainer_replays_the_engines_routing_under_a_perturbed_router(shared
             gate.weight.add_(0.005 * torch.randn_like(gate.weight))  # (a third of its scale)
     errors = []
     for replay in (False, True):
-        batch = collate(trajs, TOK.pad_token_id, version=0, routing=replay)
+        batch = collate(trajs, TOK.pad_token_id, version=0, with_routes=replay)
         assert bool(logprobs_module.shared_prefixes(batch, batch["attention"].sum(-1).tolist())) == shared
         with torch.no_grad():
             logp, _ = logprobs_module.token_logprobs(trainer, batch, temperature=1.0)
@@ -152,7 +152,7 @@ def test_a_replaying_trainer_refuses_samples_without_routing():
     trajs = _engine_samples(moe(), [TOK("1+2=")["input_ids"]])
     trajs[1].routing = None
     with pytest.raises(ContractError, match="1 of the batch's 2 samples carry no routing"):
-        collate(trajs, TOK.pad_token_id, version=0, routing=True)
+        collate(trajs, TOK.pad_token_id, version=0, with_routes=True)
 
 
 def test_routing_packs_to_bytes_and_back():

@@ -20,8 +20,8 @@ from asyncrl.trajectory import Trajectory
 
 
 def collate(trajs: list[Trajectory], pad_id: int, version: int,
-            routing: bool = False) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; per-token fields are shifted to align with next-token logits. `routing`: with
+            with_routes: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded tensors; per-token fields are shifted to align with next-token logits. `with_routes`: with
     the engine's experts of every token ([B, T, MoE layers, k], unshifted: a token's routing is its
     own input position's), for routing replay."""
     width = max(len(t.tokens) for t in trajs)
@@ -38,7 +38,7 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int,
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
     return {
-        **(_routing_field(trajs, width) if routing else {}),
+        **(_routing_field(trajs, width) if with_routes else {}),
         **_teacher_fields(trajs, pad),
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "groups": torch.tensor([group_ids[t.group_id] for t in trajs], dtype=torch.long),
