@@ -202,3 +202,21 @@ def test_routing_replay_is_refused_where_it_cannot_work():
     on = ["--trainer.routing_replay", "true"]
     with pytest.raises(ConfigError, match="activation_checkpointing = false"):
         load_config(overrides=on + ["--trainer.activation_checkpointing", "true"])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_vllms_routed_experts_unpack_to_the_same_indices(dtype):
+    """vLLM (--enable-return-routed-experts) returns each choice's experts as a base64 .npy file; the client
+    packs them as the built-in engine does. A malformed one is refused with what it is."""
+    import base64
+    import io
+
+    import numpy as np
+
+    experts = np.random.default_rng(0).integers(0, 128, size=(7, 3, 2)).astype(dtype)
+    buffer = io.BytesIO()
+    np.save(buffer, experts)
+    packed = routing.from_npy(base64.b64encode(buffer.getvalue()).decode())
+    assert torch.equal(routing.unpack(packed), torch.from_numpy(experts.astype(np.int64)))
+    with pytest.raises(ValueError, match="not a base64 .npy"):
+        routing.from_npy("bm90IG5weQ==")

@@ -52,3 +52,23 @@ def test_lora_versions_load_as_vllm_adapters(tiny_model, tmp_path):
     ]
     assert len(steps) == 4 and all(r["mismatch_kl"] < 1e-5 for r in steps), [r["mismatch_kl"] for r in steps]
     assert (RunDir(run_dir).weights / "v000003.lora" / "adapter_config.json").exists()
+
+
+def test_routing_replay_on_vllm_takes_its_routed_experts(tmp_path):
+    """A tiny Qwen3-MoE on vLLM with trainer.routing_replay: every trained sample carries the experts vLLM
+    routed its tokens to (--enable-return-routed-experts), one row per token but the last."""
+    from asyncrl.config import load_config
+    from asyncrl.policy import routing
+    from asyncrl.policy.warmstart import warmstart
+
+    model = tmp_path / "moe"
+    warmstart(load_config(overrides=["--warmstart.architecture", "qwen3_moe", "--warmstart.steps", "20",
+                                     "--warmstart.hidden_size", "32", "--warmstart.layers", "2"]), model,
+              log=lambda *a, **k: None)
+    cfg = job_config(tmp_path, str(model), **{
+        "inference.engine": "vllm", "inference.vllm_python": VLLM_PYTHON, "inference.update_policy": "finish",
+        "rollout.max_staleness": 0, "run.steps": 2, "timeouts.startup": 600, "trainer.routing_replay": True,
+    })
+    run_dir = train(cfg, log=lambda *a, **k: None)
+    for t in read_batch(RunDir(run_dir).batch(0)):
+        assert routing.unpack(t.routing).shape == (len(t.tokens) - 1, 2, 2)

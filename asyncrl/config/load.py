@@ -62,11 +62,10 @@ class Config(Section):
                 f"'constant' (got {ro.advantage!r} and {obj.loss_agg!r}); see asyncrl/objectives/dr_grpo.py"
             )
         t = self.trainer
-        if t.routing_replay and (self.inference.engine == "vllm" or t.activation_checkpointing):
+        if t.routing_replay and t.activation_checkpointing:
             raise ValueError(
-                "trainer.routing_replay needs the engine's experts per token, recorded by the built-in "
-                "engine (inference.engine = 'vllm' does not report them yet), and a forward that is not "
-                "recomputed outside the replay (trainer.activation_checkpointing = false); docs/moe.md")
+                "trainer.routing_replay needs a forward that is not recomputed outside the replay "
+                "(trainer.activation_checkpointing = false); docs/moe.md")
         if t.lora.rank and (t.publish_patches or self.inference.weight_transfer == "nccl"):
             raise ValueError(
                 "trainer.lora publishes each version as its adapters alone (a file of a few percent of the "

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from asyncrl.inference.client import InferenceClient, InferenceError
+from asyncrl.policy import routing
 
 
 def version_dir(weights_path: str) -> str:
@@ -57,12 +58,13 @@ def adapter_dir(weights_path: str) -> str:
 
 class VLLMClient(InferenceClient):
     def __init__(self, url: str, timeout: float, model: str, sender: Path | None = None,
-                 token: str | None = None, adapters: bool = False):
+                 token: str | None = None, adapters: bool = False, routes: bool = False):
         """`sender`: the trainer's weight_sender.json, when versions are broadcast over NCCL (`token`: the
-        run's, which the sender asks for). `adapters` (trainer.lora): versions are LoRA adapters."""
+        run's, which the sender asks for). `adapters` (trainer.lora): versions are LoRA adapters. `routes`
+        (trainer.routing_replay): each choice carries the experts vLLM routed its tokens to."""
         super().__init__(url, timeout)
         self.model = model  # what completions ask for: the base model, or the served version's adapter
-        self.adapters = adapters
+        self.adapters, self.routes = adapters, routes
         self.sender, self.token = sender, token
         self.incarnation = uuid.uuid4().hex  # a new one whenever the server may be a new process
         self.current_version = 0
@@ -108,9 +110,18 @@ class VLLMClient(InferenceClient):
                 "index": i, "text": c["text"], "token_ids": ids,
                 "logprobs": {"token_logprobs": c["logprobs"]["token_logprobs"]},
                 "versions": [version] * len(ids), "finish_reason": c["finish_reason"], "prompt_index": i // n,
+                **({"routing": self._routing(c)} if self.routes else {}),
             })
         self.tokens_generated += sum(len(c["token_ids"]) for c in choices)
         return choices
+
+    def _routing(self, choice: dict) -> dict:
+        """The choice's routed experts (prompt and completion, all but the last token), packed as the
+        built-in engine packs them."""
+        if not choice.get("routed_experts"):
+            raise InferenceError(f"vLLM at {self.url} returned no routed_experts: trainer.routing_replay "
+                                 "needs it started with --enable-return-routed-experts (vLLM >= 0.22)")
+        return routing.from_npy(choice["routed_experts"])
 
     async def complete_groups(self, prompts, n, max_tokens, temperature, top_p, on_group) -> None:
         """A request per prompt, all at once: vLLM answers a request when all of its prompts are done."""

@@ -262,5 +262,5 @@ def client_for(cfg, url: str, token: str | None = None, run_dir=None):
         nccl = cfg.inference.weight_transfer == "nccl"
         return VLLMClient(url, cfg.timeouts.http, model=cfg.model.path,
                           sender=RunDir(run_dir).weight_sender if nccl else None, token=token,
-                          adapters=bool(cfg.trainer.lora.rank))
+                          adapters=bool(cfg.trainer.lora.rank), routes=cfg.trainer.routing_replay)
     return InferenceClient(url, cfg.timeouts.http, token)

@@ -12,6 +12,7 @@ sampled token, never fed to the engine, has none recorded).
 from __future__ import annotations
 
 import base64
+import io
 from contextlib import contextmanager
 
 import numpy as np
@@ -26,6 +27,18 @@ REPLAYABLE = {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "
 def routers(model) -> list[torch.nn.Module]:
     """The MoE routers of `model` that can be recorded and replayed, in layer order."""
     return [m for m in model.modules() if type(m).__name__ in REPLAYABLE]
+
+
+def from_npy(text: str) -> dict:
+    """vLLM's routed experts (`--enable-return-routed-experts`: a base64 NumPy .npy file of
+    [tokens − 1, layers, k]) packed as `pack` packs the built-in engine's."""
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+    except (TypeError, ValueError, OSError) as e:
+        raise ValueError(f"routed_experts {text[:40]!r}... is not a base64 .npy array: {e}") from None
+    if array.ndim != 3:
+        raise ValueError(f"routed_experts has shape {list(array.shape)}, not [tokens, layers, k]")
+    return pack(torch.from_numpy(array.astype(np.int64)))
 
 
 @contextmanager

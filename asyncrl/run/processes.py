@@ -86,6 +86,8 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int =
            "--seed", str(cfg.run.seed), *extra]
     if cfg.inference.weight_transfer == "nccl" and not teacher:  # (trainer broadcasts: weight_sender.py)
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if cfg.trainer.routing_replay and not teacher:  # (each choice's experts: vllm_client.py)
+        cmd += ["--enable-return-routed-experts"]
     lora = cfg.trainer.lora.rank and not teacher  # (versions are adapters: vllm_client.py)
     if lora:  # vLLM takes ranks 8, 16, 32, ... as its largest
         largest = max(8, 2 ** (lora - 1).bit_length())
