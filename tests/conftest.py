@@ -16,6 +16,22 @@ TESTS = Path(__file__).parent
 CHAR_POLICY = {"tokenizer": "char", "architecture": "llama", "kv_heads": 4}
 
 
+def built_once(tmp_path_factory, name: str, build) -> str:
+    """A model directory `build(out)` writes once for the whole run: under pytest-xdist the workers share
+    the base temp directory's parent, and the first to ask builds it while the others wait on its lock."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "models" / name
+    out.parent.mkdir(exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").exists():
+            build(out)
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The default tiny policy, built once (~3.5 min on 2 cores); ASYNCRL_TEST_MODEL reuses a built one."""
@@ -24,9 +40,8 @@ def tiny_model(tmp_path_factory) -> str:
         return given
     from asyncrl.policy.warmstart import warmstart
 
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    warmstart(load_config(), out, log=lambda *a, **k: None)
-    return str(out)
+    return built_once(tmp_path_factory, "tiny",
+                      lambda out: warmstart(load_config(), out, log=lambda *a, **k: None))
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +53,6 @@ def calc_model(tmp_path_factory) -> str:
         return given
     from asyncrl.policy.warmstart import warmstart
 
-    out = tmp_path_factory.mktemp("model") / "calc"
     cfg = load_config(
         overrides={
             "warmstart": {
@@ -52,8 +66,7 @@ def calc_model(tmp_path_factory) -> str:
             }
         }
     )
-    warmstart(cfg, out, log=lambda *a, **k: None)
-    return str(out)
+    return built_once(tmp_path_factory, "calc", lambda out: warmstart(cfg, out, log=lambda *a, **k: None))
 
 
 @contextlib.contextmanager
@@ -111,6 +124,13 @@ def tests_on_path(monkeypatch):
     """Role processes can import helper modules from tests/ (e.g. a verifier that raises)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))
     monkeypatch.syspath_prepend(str(TESTS))
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (--dist loadgroup) the tests on the Ray cluster run in one worker: one cluster."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
