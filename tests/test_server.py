@@ -116,7 +116,8 @@ def test_unreachable_server_fails_fast_with_its_name():
 
 def test_busy_answers_are_retried_until_the_deadline_and_odd_bodies_are_named():
     """A real HTTP server that says 429 (with Retry-After), then 503, then answers; one that is busy for
-    ever; one that answers with an HTML page. Deterministic: counts of requests, not times."""
+    ever; one that answers with an HTML page; one healthy with an empty answer (vLLM's /health, which the
+    odd-body check took for an error until it was run against vLLM). Deterministic: counts of requests."""
     from aiohttp import web
 
     seen = {"busy_twice": 0, "busy": 0}
@@ -136,11 +137,15 @@ def test_busy_answers_are_retried_until_the_deadline_and_odd_bodies_are_named():
     async def html(request):
         return web.Response(text="<html>bad gateway</html>", status=502)
 
+    async def empty(request):  # (vLLM's /health: 200 and no body)
+        return web.Response(status=200)
+
     async def go():
         app = web.Application()
         app.router.add_post("/ok/v1/completions", busy_twice)
         app.router.add_post("/busy/v1/completions", busy)
         app.router.add_post("/html/v1/completions", html)
+        app.router.add_get("/empty/health", empty)
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -154,6 +159,8 @@ def test_busy_answers_are_retried_until_the_deadline_and_odd_bodies_are_named():
                         outcomes.append(await client.complete([[1]], 1, 1, 1.0))
                     except InferenceError as e:
                         outcomes.append(e)
+            async with InferenceClient(f"{base}/empty", timeout=2) as client:
+                await client.wait_healthy(2)  # (an empty answer is healthy, not an odd body)
         finally:
             await runner.cleanup()
         return outcomes

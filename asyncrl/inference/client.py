@@ -71,9 +71,11 @@ class InferenceClient:
             await asyncio.sleep(wait)
             deadline, backoff = max(end - time.monotonic(), 0.1), min(2 * backoff, 8.0)
 
-    async def _request(self, method: str, endpoint: str, what: str, deadline: float, lines=None, **kwargs):
+    async def _request(self, method: str, endpoint: str, what: str, deadline: float, lines=None,
+                       text: bool = False, **kwargs):
         """(status, body parsed as JSON or the raw text, Retry-After seconds or None). `lines`: a 200
-        answer is a stream of JSON lines, each handed to `lines` as it arrives (the body is then {})."""
+        answer is a stream of JSON lines, each handed to `lines` as it arrives (the body is then {}).
+        `text`: a 200 answer may be plain text (vLLM's adapter endpoints): {"text": ...}."""
         try:
             async with self._session.request(
                 method, self.url + endpoint, timeout=aiohttp.ClientTimeout(total=deadline), **kwargs
@@ -83,11 +85,13 @@ class InferenceClient:
                         lines(orjson.loads(line))
                     return 200, {}, None
                 raw = await resp.read()
-                try:
-                    body = orjson.loads(raw)
+                try:  # (an empty answer is an empty object: vLLM's /health, /pause, /resume)
+                    body = orjson.loads(raw) if raw.strip() else {}
                 except orjson.JSONDecodeError:  # e.g. a proxy's HTML error page
                     body = raw[:200].decode(errors="replace")
                 if resp.status == 200 and not isinstance(body, dict):
+                    if text:
+                        return 200, {"text": body}, None
                     raise InferenceError(f"inference server {self.url} answered {what} with {body!r:.120}")
                 return resp.status, body, _seconds(resp.headers.get("Retry-After"))
         except asyncio.TimeoutError:

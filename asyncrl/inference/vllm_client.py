@@ -63,7 +63,7 @@ class VLLMClient(InferenceClient):
         run's, which the sender asks for). `adapters` (trainer.lora): versions are LoRA adapters. `routes`
         (trainer.routing_replay): each choice carries the experts vLLM routed its tokens to."""
         super().__init__(url, timeout)
-        self.model = model  # what completions ask for: the base model, or the served version's adapter
+        self.model = self.base_model = model  # what completions ask for: the base, or a version's adapter
         self.adapters, self.routes = adapters, routes
         self.sender, self.token = sender, token
         self.incarnation = uuid.uuid4().hex  # a new one whenever the server may be a new process
@@ -159,12 +159,16 @@ class VLLMClient(InferenceClient):
         """Load version `version`'s adapters under the name v<version>, serve it, unload the one before."""
         name, before = f"v{version}", self.model
         load = {"lora_name": name, "lora_path": adapter_dir(path)}
-        await self._call("POST", "/v1/load_lora_adapter", f"loading adapters of version {version}", timeout,
-                         json=load)
+        try:  # (vLLM answers these two in plain text)
+            await self._call("POST", "/v1/load_lora_adapter", f"loading adapters of version {version}",
+                             timeout, json=load, text=True)
+        except InferenceError as e:  # a retry of a load that landed: vLLM has the name already
+            if "already" not in str(e):
+                raise
         self.model = name
-        if before.startswith("v") and before != name:  # (the requests of the old one are done: paused)
+        if before not in (self.base_model, name):  # (the requests of the old one are done: paused)
             await self._call("POST", "/v1/unload_lora_adapter", f"unloading adapters {before}", timeout,
-                             json={"lora_name": before})
+                             json={"lora_name": before}, text=True)
 
     async def _pushed(self, version: int, timeout: float) -> int:
         """Have the trainer broadcast its newest version (>= `version`) into this server; that version."""
@@ -183,8 +187,12 @@ class VLLMClient(InferenceClient):
         return {"version": self.current_version}
 
     def forget_version(self) -> None:
-        """After a lost connection the server may be a fresh one: vLLM cannot say which version it holds."""
-        self.current_version = -1
+        """After a lost connection the server may be a fresh one, and vLLM cannot say which version it
+        holds: take it for version 0 (what a started server loads: model.path, no adapter). The router then
+        loads the served version into it whenever that is not 0. (-1 here stamped every sample of a run
+        still at version 0 with -1: all dropped as too stale.)"""
+        self.current_version = 0
+        self.model = self.base_model
         self.incarnation = uuid.uuid4().hex
 
     async def stats(self) -> dict:
