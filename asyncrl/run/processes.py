@@ -98,6 +98,8 @@ def start_vllm(cfg: Config, run_dir: Path, threads: int, index: int, port: int =
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         OMP_NUM_THREADS=str(threads),
         **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
+        # (vLLM 0.32 returns routed experts from its second model runner only)
+        **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if cfg.trainer.routing_replay and not teacher else {}),
     )
     if teacher:  # (the run's token guards it like the built-in servers' admin endpoints)
         env["VLLM_API_KEY"] = (RunDir(run_dir).token).read_text().strip()
