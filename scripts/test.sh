@@ -14,4 +14,6 @@ if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
 fi
 . .venv/bin/activate
 python -m ruff check .
-exec python -m pytest -q -ra --durations=10 "$@"
+# two workers (pytest-xdist): the end-to-end tests wait on processes, ports and deadlines much of their time;
+# the tests on the Ray cluster share one worker (tests/conftest.py), and the tiny policies are built once
+exec python -m pytest -q -ra --durations=10 -n 2 --dist loadgroup "$@"
