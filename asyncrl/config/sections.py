@@ -215,6 +215,7 @@ class LoraConfig(Section):
     # trainer's logprobs that the importance ratio then sees as off-policy-ness
     dropout: float = Field(0.0, ge=0, lt=1)
     # module names (their last part) that get adapters: every linear layer of a Qwen/Llama block
+    # (["all-linear"]: PEFT's every linear layer but the output head)
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
 

@@ -20,10 +20,17 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"  
 
 
 def peft_config(spec, base: str | None = None):
+    """PEFT's LoraConfig for trainer.lora. `base`: the policy's path (made absolute, so that an export run
+    from elsewhere finds it) or hub name, recorded as the adapters' base_model_name_or_path."""
     from peft import LoraConfig
 
+    targets = list(spec.target_modules)
+    if base is not None and Path(base).exists():
+        base = str(Path(base).resolve())
     return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                      target_modules=list(spec.target_modules), base_model_name_or_path=base)
+                      # PEFT's shortcut for every linear layer but the output head is a string, not a name
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      base_model_name_or_path=base)
 
 
 def attach(model: torch.nn.Module, spec) -> torch.nn.Module:

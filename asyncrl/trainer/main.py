@@ -101,7 +101,11 @@ def restore(run_dir: Path, cfg, events: EventLog | None, ranks: Ranks):
         lora.attach(model, spec)
         if path is not None:
             adapters = CheckpointFiles(path).adapters
-            lora.load_adapters(model, weights.load(adapters), str(adapters))
+            try:
+                lora.load_adapters(model, weights.load(adapters), str(adapters))
+            except ValueError as e:  # (another rank or target modules than the checkpoint's, under --force)
+                raise FatalError(f"trainer: cannot resume with trainer.lora = "
+                                 f"{cfg.trainer.lora.model_dump()}: {e}") from None
     if path is None:
         return model, tokenizer, None
     state = {"path": path, **checkpoint.load_trainer_state(path)}
