@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -127,6 +128,8 @@ def prune(run_dir: str | Path, newest: int, keep: int) -> None:
         else:
             path.unlink(missing_ok=True)
         RunDir(run_dir).patch(version).unlink(missing_ok=True)
+        for links in (path.with_suffix(""), path.with_suffix(".lora")):  # vLLM's views of it (vllm_client.py)
+            shutil.rmtree(links, ignore_errors=True)
 
 
 # --- sparse patches (PULSE): only the elements whose serving-dtype value changed -------------
