@@ -4,10 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,19 +16,15 @@ TESTS = Path(__file__).parent
 CHAR_POLICY = {"tokenizer": "char", "architecture": "llama", "kv_heads": 4}
 
 
-def models_root(tmp_path_factory) -> Path:
-    """Where the run's shared policies are built: under pytest-xdist the workers' base temp directories
-    share a parent, the controller's own."""
-    root = tmp_path_factory.getbasetemp()
-    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "models"
-
-
 def built_once(tmp_path_factory, name: str, build) -> str:
-    """A model directory `build(out)` writes once for the whole run: the first process to ask builds it
-    while the others wait on its lock."""
+    """A model directory `build(out)` writes once for the whole run: under pytest-xdist the workers share
+    the base temp directory's parent, and the first to ask builds it while the others wait on its lock."""
     from filelock import FileLock
 
-    out = models_root(tmp_path_factory) / name
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "models" / name
     out.parent.mkdir(exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "config.json").exists():
@@ -39,74 +32,16 @@ def built_once(tmp_path_factory, name: str, build) -> str:
     return str(out)
 
 
-# The default tiny policy takes ~3.5 min to build: a process of its own starts on it as soon as the tests
-# are collected (if any needs it), and the tests that do not need it run meanwhile (they are put first).
-TINY_BUILD = ("import sys; from asyncrl.config import load_config; "
-              "from asyncrl.policy.warmstart import warmstart; "
-              "warmstart(load_config(), sys.argv[1], log=lambda *a, **k: None); "
-              "open(sys.argv[2], 'w').close()")
-
-
-def _start_tiny_build(root: Path) -> None:
-    """Start the build once per run (the first pytest process here; a lock decides), detached from the
-    process that starts it: an xdist worker may finish before the workers that wait on the build."""
-    from filelock import FileLock
-
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / "tiny.lock")):
-        if (root / "tiny.pid").exists():
-            return
-        with open(root / "tiny.log", "w") as log:
-            args = [sys.executable, "-c", TINY_BUILD, str(root / "tiny"), str(root / "tiny.done")]
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        (root / "tiny.pid").write_text(str(proc.pid))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-
-
-def pytest_collection_modifyitems(config, items):
-    """Modules without a test on the default tiny policy first (its build runs meanwhile); under
-    pytest-xdist (--dist loadgroup) the tests on the Ray cluster in one worker: one cluster."""
-    uses_tiny = {item.module.__name__ for item in items if "tiny_model" in item.fixturenames}
-    items.sort(key=lambda item: item.module.__name__ in uses_tiny)  # (stable: each module stays in order)
-    for item in items:
-        if "ray_cluster" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    if uses_tiny and not os.environ.get("ASYNCRL_TEST_MODEL"):
-        _start_tiny_build(models_root(config._tmp_path_factory))
-
-
-def pytest_sessionfinish(session):
-    """The process that owns the run (xdist's controller, or pytest alone) stops a build still running."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    pid = models_root(session.config._tmp_path_factory) / "tiny.pid"
-    if pid.exists() and _alive(int(pid.read_text())):
-        os.killpg(int(pid.read_text()), signal.SIGKILL)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """The default tiny policy (built in the background: _start_tiny_build); ASYNCRL_TEST_MODEL reuses a
-    built one."""
+    """The default tiny policy, built once (~3.5 min on 2 cores); ASYNCRL_TEST_MODEL reuses a built one."""
     given = os.environ.get("ASYNCRL_TEST_MODEL")
     if given:
         return given
-    root = models_root(tmp_path_factory)
-    pid, deadline = int((root / "tiny.pid").read_text()), time.monotonic() + 1200
-    while not (root / "tiny.done").exists():
-        if not _alive(pid) and not (root / "tiny.done").exists():
-            pytest.fail(f"building the tiny policy failed:\n{(root / 'tiny.log').read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"building the tiny policy took over 1200 s; its log: {root / 'tiny.log'}")
-        time.sleep(0.5)
-    return str(root / "tiny")
+    from asyncrl.policy.warmstart import warmstart
+
+    return built_once(tmp_path_factory, "tiny",
+                      lambda out: warmstart(load_config(), out, log=lambda *a, **k: None))
 
 
 @pytest.fixture(scope="session")
@@ -189,6 +124,13 @@ def tests_on_path(monkeypatch):
     """Role processes can import helper modules from tests/ (e.g. a verifier that raises)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))
     monkeypatch.syspath_prepend(str(TESTS))
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (--dist loadgroup) the tests on the Ray cluster run in one worker: one cluster."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
