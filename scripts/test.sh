@@ -15,5 +15,5 @@ fi
 . .venv/bin/activate
 python -m ruff check .
 # two workers (pytest-xdist): the end-to-end tests wait on processes, ports and deadlines much of their time;
-# the tests on the Ray cluster share one worker (tests/conftest.py), and the tiny policies are built once
-exec python -m pytest -q -ra --durations=10 -n 2 --dist loadgroup "$@"
+# the tiny policies are built once for both (tests/conftest.py)
+exec python -m pytest -q -ra --durations=10 -n 2 "$@"

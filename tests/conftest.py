@@ -126,19 +126,14 @@ def tests_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
 
 
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (--dist loadgroup) the tests on the Ray cluster run in one worker: one cluster."""
-    for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One Ray cluster for the whole suite: a head and a simulated second node carrying the resource
-    `node_b` (the test pins inference replicas there); each node has one `trainer_slot` (a trainer of two
-    ranks asking for one per rank spans both nodes). Logical CPUs are over-declared: the roles' thread
-    counts are what they ask for, not what this machine has. Yields its address."""
+    """One Ray cluster for each pytest process that runs a Ray test (under pytest-xdist each worker may
+    start its own: measured, the Ray tests pass with two clusters side by side): a head and a simulated
+    second node carrying the resource `node_b` (the test pins inference replicas there); each node has one
+    `trainer_slot` (a trainer of two ranks asking for one per rank spans both nodes). Logical CPUs are
+    over-declared: the roles' thread counts are what they ask for, not what this machine has. Yields its
+    address."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
