@@ -115,7 +115,11 @@ class Ranks:
         from asyncrl.transports import weights
 
         if self.size == 1:
-            return weights.model_state(model)
+            if keys is None:
+                return weights.model_state(model)
+            # only the published tensors come to the host (trainer.lora: the adapters, not a GPU's weights)
+            state = model.state_dict()
+            return {k: state[k].detach().cpu().contiguous() for k in keys}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
