@@ -16,6 +16,7 @@ role uses. Users and tools may rely on these names; `python -m asyncrl.rundir` p
 | `metrics.jsonl` | orchestrator | a record per step and per evaluation (a projection of the ledger) |
 | `events.jsonl` | every role | a line per thing that happened (drops, restarts, changes) |
 | `batches/step_{step:06d}.jsonl` | orchestrator | batch `step`: a settings line, then a trajectory a line |
+| `images/{hash}` | orchestrator | an image a prompt shows, its bytes as given, named by their hash |
 | `weights/v{version:06d}.safetensors` | trainer | version `version`'s full weights |
 | `weights/v{version:06d}.patch.safetensors` | trainer | its sparse patch from the version before |
 | `weights/v{version:06d}.json` | trainer | its marker (step metrics, hashes): written last |
@@ -134,6 +135,13 @@ class RunDir:
         """(step, path) of every batch file, in step order."""
         found = [(int(p.stem.removeprefix("step_")), p) for p in self.batches.glob("step_*.jsonl")]
         return sorted(found)
+
+    @property
+    def images(self) -> Path:
+        return self._at("images")
+
+    def image(self, digest: str) -> Path:
+        return self.images / digest
 
     # --- the weights channel -------------------------------------------------------------------
     @property

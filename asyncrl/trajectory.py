@@ -32,6 +32,9 @@ class Trajectory:
     # fed, [len(tokens) - 1, MoE layers, top-k] packed (asyncrl/policy/routing.py); None: a dense policy,
     # or an engine that does not record it
     routing: dict | None = None
+    # a vision-language policy's prompt images (asyncrl/vision/): their content hashes, in prompt order;
+    # the bytes are in the run's image store, once however many samples and batches show them
+    images: list[str] | None = None
 
     @property
     def oldest_version(self) -> int:

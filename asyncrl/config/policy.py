@@ -29,7 +29,8 @@ class WarmstartConfig(Section):
     vocab_size: int = Field(
         512, ge=300, description="bpe: at most this many tokens (256 bytes + merges + specials)"
     )
-    architecture: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
+    # qwen2_5_vl: a vision-language policy (asyncrl/vision/tiny.py) for tasks whose rows show images
+    architecture: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_5_vl"] = "qwen3"
     hidden_size: int = Field(128, ge=8)
     layers: int = Field(4, ge=1)
     heads: int = Field(4, ge=1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import aiohttp
@@ -10,6 +11,14 @@ import orjson
 
 class InferenceError(RuntimeError):
     pass
+
+
+class ImagesWanted(InferenceError):
+    """The server has not seen these images (asyncrl/inference/pictures.py): send again with their bytes."""
+
+    def __init__(self, digests: list[str]):
+        super().__init__(f"the inference server asks for images {', '.join(map(str, digests))}")
+        self.digests = digests
 
 
 class InferenceUnavailable(InferenceError):
@@ -62,6 +71,8 @@ class InferenceClient:
             if status == 200:
                 return body
             error = body.get("error") if isinstance(body, dict) else None
+            if status == 409 and isinstance(error, dict) and isinstance(error.get("missing_images"), list):
+                raise ImagesWanted(error["missing_images"])
             message = error.get("message", error) if isinstance(error, dict) else error or body
             wait = retry_after if retry_after is not None else backoff
             if status not in RETRY_LATER or time.monotonic() + wait > end:
@@ -110,15 +121,34 @@ class InferenceClient:
 
     async def complete(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
                        top_p: float = 1.0, stop_token_ids: list[int] | None = None,
-                       cache_prefix: bool = False) -> list[dict]:
+                       cache_prefix: bool = False, images: list[list[str]] | None = None,
+                       image_bytes=None) -> list[dict]:
         """`cache_prefix`: a later request will continue these sequences (an agent's turn): the server
-        keeps their keys and values for it."""
+        keeps their keys and values for it. `images`: each prompt's image hashes; `image_bytes(hash)`
+        reads one, for a server that has not seen it."""
         body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "stop_token_ids": stop_token_ids or [], "cache_prefix": cache_prefix}
-        return (await self._call("POST", "/v1/completions", "a completion request", json=body))["choices"]
+        sent = await self._with_images(body, images, image_bytes, lambda: self._call(
+            "POST", "/v1/completions", "a completion request", json=body))
+        return sent["choices"]
+
+    async def _with_images(self, body: dict, images, image_bytes, send):
+        """send() with the prompts' image hashes in `body`; once more with the bytes of those the server
+        asks for."""
+        if not images or not any(images):
+            return await send()
+        body["images"] = images
+        try:
+            return await send()
+        except ImagesWanted as e:
+            if image_bytes is None:
+                raise
+            body["image_data"] = {d: base64.b64encode(image_bytes(d)).decode() for d in e.digests}
+            return await send()
 
     async def complete_groups(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                              top_p: float, on_group) -> None:
+                              top_p: float, on_group, images: list[list[str]] | None = None,
+                              image_bytes=None) -> None:
         """`complete` for many prompts in one request: `on_group(i, choices)` gets prompt i's n choices as
         soon as they are all done (the server streams them), whatever the other prompts' lengths."""
         body = {"prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
@@ -131,7 +161,8 @@ class InferenceClient:
                 raise InferenceError(f"inference server {self.url} streamed {line!r:.120} during {what}")
             on_group(line["prompt_index"], line["choices"])
 
-        await self._call("POST", "/v1/completions", what, json=body, lines=group)
+        await self._with_images(body, images, image_bytes, lambda: self._call(
+            "POST", "/v1/completions", what, json=body, lines=group))
 
     async def update_weights(self, body: dict, timeout: float) -> dict:
         """body: path, version, and optionally patch + base_version, hash, policy (see the server)."""

@@ -21,17 +21,10 @@ import torch
 
 from asyncrl.inference import kv
 from asyncrl.inference.prefix_cache import PrefixCache
+from asyncrl.inference.sampling import SamplingParams, sample_rows
 from asyncrl.observe.fit import LinearFit
 from asyncrl.policy import routing
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    cache_prefix: bool = False  # keep the finished sequence's KV for the request that continues it
+from asyncrl.vision import inputs as vision
 
 
 @dataclass
@@ -52,23 +45,11 @@ class Sequence:
     params: SamplingParams
     on_done: Callable[["Sequence"], None] | None = None
     sample: Sample = field(default_factory=Sample)
+    images: tuple = ()  # a vision-language policy's Pictures (asyncrl/vision/inputs.py), in prompt order
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.sample.token_ids
-
-
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, gen: torch.Generator):
-    """(tokens, logprobs) for one step, each row with its own temperature (0 = greedy) and top-p."""
-    greedy = temps == 0
-    logprobs = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    probs = logprobs.exp()
-    if bool((top_ps < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_ps[:, None]
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
-    tokens = torch.where(greedy, logprobs.argmax(-1), torch.multinomial(probs, 1, generator=gen).squeeze(1))
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
 # A finished row stays in the batch (computed, ignored) until this share of rows has finished:
@@ -101,6 +82,7 @@ class Engine:
         # a cached prefix would have none, so its later turns prefill again
         self.routers = routing.routers(model)
         self.prefixes = PrefixCache(0 if self.routers else prefix_cache_tokens)
+        self.placeholders = vision.placeholders(model.config)  # (image tokens: never sampled)
         # seconds per decode step against its rows, per prefill against its tokens: the rate model
         # `asyncrl plan` calibrates from (asyncrl/plan/calibrate.py)
         self.decode_fit, self.prefill_fit = LinearFit(), LinearFit()
@@ -128,9 +110,11 @@ class Engine:
         return bool(self.rows) or (self.admitting and bool(self.waiting))
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
-        """Run `prompts` to completion (with whatever else is queued) and return their samples."""
-        seqs = [Sequence(p, params) for p in prompts]
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images: list | None = None
+                 ) -> list[Sample]:
+        """Run `prompts` (showing `images`, each prompt's Pictures) to completion, with whatever else is
+        queued, and return their samples."""
+        seqs = [Sequence(p, params, images=images[k] if images else ()) for k, p in enumerate(prompts)]
         self.add(seqs)
         while any(s.sample.finish_reason is None for s in seqs):
             self.step()
@@ -148,7 +132,9 @@ class Engine:
 
     def _decode(self) -> None:
         """Sample a token for every running row, retire the finished ones, feed the rest."""
-        tokens, logprobs = sample_rows(self.logits, self.temps, self.top_ps, self.generator)
+        logits = self.logits.index_fill(1, torch.tensor(self.placeholders, device=self.device), -torch.inf) \
+            if self.placeholders else self.logits
+        tokens, logprobs = sample_rows(logits, self.temps, self.top_ps, self.generator)
         live = sampled = 0
         for row, (seq, tok, lp, v) in enumerate(
             zip(self.rows, tokens.tolist(), logprobs.tolist(), self.logit_versions)
@@ -189,7 +175,7 @@ class Engine:
     def _remember(self, row: int, seq: Sequence) -> None:
         """Keep the row's keys and values (every token but the last sampled, which was never fed) for
         the request that continues the sequence."""
-        if not self.prefixes.budget:
+        if not self.prefixes.budget or seq.images:
             return
         columns = self.mask[row].nonzero().squeeze(1)
         fed = tuple(seq.tokens[:-1])
@@ -252,12 +238,14 @@ class Engine:
         """Admit `seqs`, whose caches hold `token_lists` once prefilled: those that continue a cached
         prefix feed only the tokens after it, the others their whole lists."""
         start, fed = time.perf_counter(), self.tokens_prefilled
-        hits = [self.prefixes.take(t) if s.params.cache_prefix else None for s, t in zip(seqs, token_lists)]
+        # (a cached turn's next positions are its length: not so for rows with images, which prefill anew)
+        hits = [self.prefixes.take(t) if s.params.cache_prefix and not s.images else None
+                for s, t in zip(seqs, token_lists)]
         fresh = [i for i, hit in enumerate(hits) if hit is None]
         cached = [i for i, hit in enumerate(hits) if hit is not None]
         if fresh:
             with routing.record(self.routers) as calls:
-                prefilled = self._run_fresh([token_lists[i] for i in fresh])
+                prefilled = self._run_fresh([token_lists[i] for i in fresh], [seqs[i].images for i in fresh])
             self._note_prompt_routes(calls, [seqs[i] for i in fresh], [token_lists[i] for i in fresh])
             self._join([seqs[i] for i in fresh], *prefilled)
         if cached:
@@ -265,22 +253,30 @@ class Engine:
                        *self._run_cached([token_lists[i] for i in cached], [hits[i] for i in cached]))
         self.prefill_fit.add(self.tokens_prefilled - fed, time.perf_counter() - start)
 
-    def _run_fresh(self, token_lists: list[list[int]]):
-        """Each distinct token list once (left-padded), its KV rows given to every sequence that has it:
-        (layers, mask, next-token logits, next positions), a row per list."""
-        distinct = list(dict.fromkeys(map(tuple, token_lists)))
-        index = {t: i for i, t in enumerate(distinct)}
-        width = max(len(t) for t in distinct)
+    def _run_fresh(self, token_lists: list[list[int]], images: list[tuple] | None = None):
+        """Each distinct token list (with its images) once, left-padded, its KV rows given to every
+        sequence that has it: (layers, mask, next-token logits, next positions), a row per list."""
+        keys = [(tuple(t), tuple(p.digest for p in pictures))
+                for t, pictures in zip(token_lists, images or [()] * len(token_lists))]
+        distinct = list(dict.fromkeys(keys))
+        index = {key: i for i, key in enumerate(distinct)}
+        width = max(len(t) for t, _ in distinct)
         ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for row, toks in enumerate(distinct):
+        for row, (toks, _) in enumerate(distinct):
             ids[row, width - len(toks):] = torch.tensor(toks)
             mask[row, width - len(toks):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)  # (built here, moved once)
-        self.tokens_prefilled += sum(map(len, distinct))
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        rows = torch.tensor([index[tuple(t)] for t in token_lists], dtype=torch.long, device=self.device)
+        self.tokens_prefilled += sum(len(t) for t, _ in distinct)
+        if any(digests for _, digests in distinct):  # M-RoPE: 3-D positions, image features as embeddings
+            shown = [images[keys.index(key)] for key in distinct]
+            given = vision.inputs(self.model, ids, mask, shown)
+            positions = given["position_ids"].amax(0)  # (decoding goes on from the largest: text's)
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            given = {"input_ids": ids, "position_ids": positions}
+        out = self.model(attention_mask=mask, use_cache=True, **given)
+        rows = torch.tensor([index[key] for key in keys], dtype=torch.long, device=self.device)
         layers, mask = kv.select(kv.tensors(out[self.cache_arg]), mask, rows)
         return layers, mask, out.logits[:, -1][rows], positions[:, -1][rows] + 1
 

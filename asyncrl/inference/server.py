@@ -43,6 +43,7 @@ from asyncrl.control.access import LOOPBACK, ensure_token, inside
 from asyncrl.files import write_atomic
 from asyncrl.inference import replica, scoring
 from asyncrl.inference.engine import Engine, SamplingParams
+from asyncrl.inference.pictures import MissingImages, request_pictures
 from asyncrl.inference.worker import UPDATE_POLICIES, Worker
 from asyncrl.policy import lora, routing
 from asyncrl.policy.model import load_policy
@@ -51,6 +52,8 @@ from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.role import FatalError, run_role
 from asyncrl.run.sizes import longest_sequence
 from asyncrl.rundir import RunDir
+from asyncrl.vision.images import ImageStore
+from asyncrl.vision.inputs import Pictures, is_vision
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -146,13 +149,20 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
     vocab = engine.model.get_input_embeddings().num_embeddings
     max_prompt_tokens, load_timeout = cfg.inference.max_prompt_tokens, cfg.timeouts.weight_load
     max_scored_tokens = max(longest_sequence(cfg)[0], max_prompt_tokens) + scoring.HINT_TOKENS
+    config = engine.model.config
+    pictures = Pictures(model_name, config) if is_vision(config) else None  # (images in: asyncrl/vision)
+    store, image_token = ImageStore(run_dir), getattr(config, "image_token_id", None)
 
     async def completions(request: web.Request) -> web.Response:
         try:
             body = await request.json()
             prompts, params, n = parse_completion_request(body, vocab, max_prompt_tokens)
-        except (BadRequest, json.JSONDecodeError) as e:
+            shown = request_pictures(body, prompts[::n], pictures, store, image_token)
+        except MissingImages as e:  # (the client sends the request again with their bytes)
+            return web.json_response({"error": {"message": str(e), "missing_images": e.digests}}, status=409)
+        except (ValueError, json.JSONDecodeError) as e:  # (BadRequest is one)
             return _error(400, str(e))
+        images = [pics for pics in shown for _ in range(n)] if shown else None
         if len(prompts) > cfg.inference.max_waiting_sequences:  # (a 429 would be retried forever)
             return _error(400, f"{len(prompts)} sequences can never wait in this server's queue "
                                f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences})")
@@ -163,8 +173,8 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
                 f"(inference.max_waiting_sequences = {cfg.inference.max_waiting_sequences}); retry later",
             )
         if body.get("stream_groups"):
-            return await stream_groups(request, prompts, params, n)
-        request_done = worker.call("generate", prompts, params)
+            return await stream_groups(request, prompts, params, n, images)
+        request_done = worker.call("generate", prompts, params, None, 1, images)
         try:
             samples = await request_done
         except asyncio.CancelledError:  # the client went away: its rows stop generating
@@ -173,13 +183,13 @@ def make_app(worker: Worker, tokenizer, model_name: str, cfg, run_dir: Path) -> 
         with worker.phases("respond"):
             return _completion_response(samples, n, prompts, tokenizer, model_name)
 
-    async def stream_groups(request: web.Request, prompts: list[list[int]], params, n: int):
+    async def stream_groups(request: web.Request, prompts: list[list[int]], params, n: int, images):
         """One line of JSON per prompt, {"prompt_index": i, "choices": [its n samples]}, as soon as its n
         samples are done: many groups in one request (one HTTP exchange, not one each) and none waits
         for another."""
         finished: asyncio.Queue = asyncio.Queue()
         request_done = worker.call("generate", prompts, params,
-                                   lambda i, samples: finished.put_nowait((i, samples)), n)
+                                   lambda i, samples: finished.put_nowait((i, samples)), n, images)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
             await response.prepare(request)

@@ -106,9 +106,10 @@ class Worker:
         self.loop.call_soon_threadsafe(settle)
 
     def _cmd_generate(self, future, prompts: list[list[int]], params: SamplingParams, on_group=None,
-                      n: int = 1) -> None:
+                      n: int = 1, images: list[tuple] | None = None) -> None:
         """`on_group(i, samples)`, called on the event loop, hears of each group of `n` sequences (prompt i's,
-        `prompts` holding each prompt n times) as soon as its last one finishes; `future` of them all."""
+        `prompts` holding each prompt n times) as soon as its last one finishes; `future` of them all.
+        `images`: each prompt's Pictures (a vision-language policy's)."""
         left, group_left = [len(prompts)], [n] * (len(prompts) // n)
         seqs: list[Sequence] = []
 
@@ -122,7 +123,8 @@ class Worker:
                 self.requests.pop(future, None)
                 self._resolve(future, [s.sample for s in seqs])
 
-        seqs.extend(Sequence(p, params, functools.partial(done, k // n)) for k, p in enumerate(prompts))
+        seqs.extend(Sequence(p, params, functools.partial(done, k // n), images=images[k] if images else ())
+                    for k, p in enumerate(prompts))
         self.requests[future] = seqs
         self.engine.add(seqs)
         with self.queued_lock:

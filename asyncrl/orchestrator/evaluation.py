@@ -17,9 +17,10 @@ EVAL_CHUNK = 64  # held-out prompts per request
 
 
 class Evaluator:
-    def __init__(self, cfg, tasks, tokenizer, router, verifiers, agents):
-        """`router` (asyncrl/orchestrator/replicas.py) runs each request on a replica, riding out restarts."""
-        self.cfg, self.tasks, self.tokenizer = cfg, tasks, tokenizer
+    def __init__(self, cfg, tasks, tokenizer, router, verifiers, agents, images=None):
+        """`router` (asyncrl/orchestrator/replicas.py) runs each request on a replica, riding out restarts.
+        `images`: a vision-language policy's ImagePrompts (asyncrl/vision/prompts.py)."""
+        self.cfg, self.tasks, self.tokenizer, self.images = cfg, tasks, tokenizer, images
         self.router, self.verifiers, self.agents = router, verifiers, agents
         self.items: tuple[list[dict], list[list[int]]] | None = None
 
@@ -30,13 +31,17 @@ class Evaluator:
             for entry in eval_entries(self.tasks, self.cfg.task.eval_size):
                 try:
                     entry, prompt = checked_prompt(self.tasks, entry, self.tokenizer,
-                                                   self.cfg.inference.max_prompt_tokens)
+                                                   self.cfg.inference.max_prompt_tokens, images=self.images)
                 except BadTaskRow:  # left out, as in training (the training side reports its rows)
                     continue
                 entries.append(entry)
                 prompts.append(prompt)
             self.items = entries, prompts
         return self.items
+
+    def images_shown(self) -> set[str]:
+        """The held-out set's images (kept in the run's image store for every evaluation)."""
+        return {h for e in (self.items or ([], []))[0] for h in e.get("image_hashes", ())}
 
     async def run(self, served_version: int) -> dict:
         """One evaluation's record, under whatever version the server holds (the oldest that sampled)."""
@@ -66,11 +71,14 @@ class Evaluator:
         """(score per item, versions that sampled) of one greedy completion per item."""
         # in requests of EVAL_CHUNK prompts, all at once: the server batches them as one, and each
         # request is small enough to meet timeouts.http however large eval_size is
-        chunks = [prompts[i:i + EVAL_CHUNK] for i in range(0, len(prompts), EVAL_CHUNK)]
+        starts = range(0, len(prompts), EVAL_CHUNK)
+        shown = [e.get("image_hashes", []) for e in entries]
+        reader = self.images.store.get if self.images else None
         max_tokens = self.cfg.rollout.max_tokens
         parts = await asyncio.gather(*(self.router.call(
-            lambda client, chunk=chunk: client.complete(chunk, 1, max_tokens, temperature=0.0),
-            "an evaluation", len(chunk)) for chunk in chunks))
+            lambda client, i=i: client.complete(prompts[i:i + EVAL_CHUNK], 1, max_tokens, temperature=0.0,
+                                                images=shown[i:i + EVAL_CHUNK], image_bytes=reader),
+            "an evaluation", len(prompts[i:i + EVAL_CHUNK])) for i in starts))
         choices = [c for part in parts for c in part]
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)

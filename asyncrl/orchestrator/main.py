@@ -39,7 +39,7 @@ from asyncrl.orchestrator import staleness, waves
 from asyncrl.orchestrator.advantages import advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
-from asyncrl.orchestrator.prompts import next_prompt
+from asyncrl.orchestrator.prompts import next_prompt, prune_images
 from asyncrl.orchestrator.records import batch_stats, step_record
 from asyncrl.orchestrator.replicas import ATTEMPTS, Router
 from asyncrl.orchestrator.restore import restore
@@ -52,6 +52,7 @@ from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.store.ledger import Ledger
 from asyncrl.trajectory import Trajectory, write_batch
 from asyncrl.transports.trainer_link import trainer_link
+from asyncrl.vision.prompts import image_prompts
 
 
 class Orchestrator:
@@ -80,9 +81,11 @@ class Orchestrator:
         self.bad_rows: set[str] = set()  # reported once: a file read in epochs meets its bad rows again
         self.agents = AgentRunner(cfg, tokenizer, verifiers, self.events) \
             if any(cfg.agent_paths().values()) else None
+        self.images = image_prompts(cfg.model.path, tokenizer, run_dir)  # a vision-language policy's
+        self.showing: dict[int, list[str]] = {}  # the images of each group generating
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
-        self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents)
-                          if eval_tasks else None)
+        self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents,
+                                    self.images) if eval_tasks else None)
         self.teacher = Teacher(cfg, run_dir, tokenizer, self.events) if cfg.teacher.enabled else None
         restore(self)
 
@@ -147,8 +150,10 @@ class Orchestrator:
                 wave.append(started)
             self.ledger.dispatch([index for index, _, _ in wave])
             choices = waves.start(self.router, [(i, p) for i, entry, p in wave if not self._agentic(entry)],
-                                  self.cfg, self.waves)
+                                  self.cfg, self.waves, {i: e.get("image_hashes") for i, e, _ in wave},
+                                  self.images.store.get if self.images else None)
             for index, entry, prompt in wave:
+                self.showing[index] = entry.get("image_hashes", [])
                 task = asyncio.create_task(self._run_group(index, entry, prompt, choices.get(index)))
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
@@ -169,6 +174,7 @@ class Orchestrator:
             await self._generate_group(index, entry, prompt, choices)
         finally:  # free the slot before admission hears of it, or it waits for the next event
             self.in_flight.discard(asyncio.current_task())
+            self.showing.pop(index, None)
             await self._notify()
 
     async def _generate_group(self, index: int, entry: dict, prompt: list[int], choices: asyncio.Future | None
@@ -286,6 +292,8 @@ class Orchestrator:
             oldest_kept = durable_steps[0] if self.cfg.run.prune_trained else 0  # (no restart goes earlier)
             n = self.ledger.commit_through(self.committed_through, oldest_kept)
             self.events.write("committed", through_step=self.committed_through, samples=n)
+            if self.images and self.cfg.run.prune_trained:  # (images go with the batches that showed them)
+                prune_images(self)
 
     async def _wait_for_final_checkpoint(self) -> None:
         async def committed_all() -> bool:

@@ -49,6 +49,7 @@ async def score_group(verifiers: VerifierPool, entry: dict, prompt: list[int], i
             logprobs=[0.0] * len(prompt) + choice["logprobs"]["token_logprobs"],
             versions=[-1] * len(prompt) + choice["versions"],
             routing=choice.get("routing"),
+            images=entry.get("image_hashes") or None,
             reward=reward,
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
                   "answer": entry["answer"], "generate_seconds": seconds,

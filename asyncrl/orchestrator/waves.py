@@ -26,15 +26,17 @@ import time
 from asyncrl.inference.client import InferenceError
 
 
-def start(router, wave: list[tuple[int, list[int]]], cfg, running: set) -> dict[int, asyncio.Future]:
+def start(router, wave: list[tuple[int, list[int]]], cfg, running: set, images: dict | None = None,
+          image_bytes=None) -> dict[int, asyncio.Future]:
     """Start generating these (index, prompt ids) groups; each group's future gets (choices, seconds) or
-    the error that ended its request. The requests' tasks are in `running` while they run."""
+    the error that ended its request. The requests' tasks are in `running` while they run. `images`: the
+    prompts' image hashes by index (a vision-language policy's), `image_bytes(hash)` reads one."""
     futures = {index: asyncio.get_running_loop().create_future() for index, _ in wave}
     sent: list[asyncio.Task] = []
     for part, before in schedule(wave, len(router.routed()), cfg):
         after = sent[before] if before is not None else None
         mine = {i: futures[i] for i, _ in part}
-        sent.append(asyncio.create_task(generate(router, dict(part), mine, cfg, after)))
+        sent.append(asyncio.create_task(generate(router, dict(part), mine, cfg, after, images, image_bytes)))
         running.add(sent[-1])
         sent[-1].add_done_callback(running.discard)
     return futures
@@ -56,7 +58,7 @@ def parts(wave: list, replicas: int, most: int) -> list[list]:
 
 
 async def generate(router, prompts: dict[int, list[int]], delivered: dict[int, asyncio.Future], cfg,
-                   after: asyncio.Task | None = None) -> None:
+                   after: asyncio.Task | None = None, images: dict | None = None, image_bytes=None) -> None:
     """G samples of each prompt (by index) in one streamed request, sent once `after` (the part before
     it) has ended; delivered[index] gets the group's (choices, seconds since the request) when it
     arrives, or the error that ended the wave."""
@@ -75,7 +77,8 @@ async def generate(router, prompts: dict[int, list[int]], delivered: dict[int, a
                 delivered[asked[k]].set_result((choices, time.monotonic() - started))
 
         await client.complete_groups([prompts[i] for i in asked], ro.group_size, ro.max_tokens,
-                                     ro.temperature, ro.top_p, arrived)
+                                     ro.temperature, ro.top_p, arrived,
+                                     [images.get(i) or [] for i in asked] if images else None, image_bytes)
         if missing := [index for index in asked if not delivered[index].done()]:
             raise InferenceError(f"inference server {client.url} ended its stream without prompts {missing}")
 

@@ -154,14 +154,17 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: 
 
 
 def load_policy(path: str | Path):
-    """(model in fp32 eval mode, tokenizer) from an HF name or a local directory."""
+    """(model in fp32 eval mode, tokenizer) from an HF name or a local directory: a causal LM, or a
+    vision-language model (images in, text out: asyncrl/vision/)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = str(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+        loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = loader.from_pretrained(path, dtype=torch.float32)
     except OSError as e:
         raise FileNotFoundError(f"cannot load model {path!r}: {e}") from None
     if tokenizer.pad_token_id is None:

@@ -39,23 +39,30 @@ from asyncrl.rewards.tasks import (
     prompt_text,
     servable_prompt,
 )
+from asyncrl.vision import inputs as vision
+from asyncrl.vision.inputs import is_vision
+from asyncrl.vision.prompts import ImagePrompts
+from asyncrl.vision.tiny import tiny_vlm
 
 CORPUS_ITEMS = 4000  # task items (or demonstrations) the BPE tokenizer is trained on
 MAX_BAD_ROWS = 1000  # rows in a row the warm start cannot train on before it stops, naming the first
 
 
 def _task_example(
-    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random, max_prompt: int, context: int
-) -> tuple[list[int], list[int]]:
-    """(prompt + answer + eos ids, labels only on the answer and eos); BadTaskRow for a row RL would
-    drop (servable_prompt), or one whose answer takes the example past the model's context."""
-    entry, prompt = servable_prompt(tasks, index, tokenizer, max_prompt)
+    tasks: TaskSource, tokenizer, index: int, teacher, rng: random.Random, max_prompt: int, context: int,
+    images=None
+) -> tuple[list[int], list[int], tuple]:
+    """(prompt + answer + eos ids, labels only on the answer and eos, the prompt's Pictures); BadTaskRow
+    for a row RL would drop (servable_prompt), or one whose answer takes the example past the model's
+    context. `images`: a vision-language policy's ImagePrompts."""
+    entry, prompt = servable_prompt(tasks, index, tokenizer, max_prompt, images)
     answer = teacher(entry, rng) if teacher else entry["answer"]
     if len(answer) > MAX_CHARS_PER_TOKEN * context:
         raise BadTaskRow(f"{tasks.where(entry, index)}: the answer has {len(answer)} characters")
     answer = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     _check_fits(len(prompt) + len(answer), context, tasks.where(entry, index))
-    return prompt + answer, [-100] * len(prompt) + answer
+    shown = images.shown(entry["image_hashes"]) if entry.get("image_hashes") else ()
+    return prompt + answer, [-100] * len(prompt) + answer, shown
 
 
 def _check_fits(tokens: int, context: int, where: str) -> None:
@@ -92,12 +99,12 @@ def _demo_example(demos, renderer: Renderer, rng: random.Random, context: int) -
         ids += piece
         labels += piece if is_policy else [-100] * len(piece)
     _check_fits(len(ids), context, "warmstart.demos: a conversation")
-    return ids, labels
+    return ids, labels, ()
 
 
-def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sft_batch(examples: list[tuple], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and labels."""
-    rows, labels = zip(*examples)
+    rows, labels, _ = zip(*examples)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id)
     lab = torch.full((len(rows), width), -100)
@@ -108,20 +115,22 @@ def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
 
 
 def greedy_accuracy(model, tokenizer, tasks: TaskSource, size: int, max_tokens: int = 8,
-                    max_prompt_tokens: int = InferenceConfig().max_prompt_tokens) -> float:
+                    max_prompt_tokens: int = InferenceConfig().max_prompt_tokens, images=None) -> float:
     """Fraction of `size` held-out items (distinct prompts) solved (reward 1) by greedy decoding; the
-    rows the run's evaluation leaves out (servable_prompt's check) are left out here too."""
+    rows the run's evaluation leaves out (servable_prompt's check) are left out here too. `images`: a
+    vision-language policy's ImagePrompts."""
     checked = []
     for entry in eval_entries(tasks, size):
         try:
-            checked.append(checked_prompt(tasks, entry, tokenizer, max_prompt_tokens))
+            checked.append(checked_prompt(tasks, entry, tokenizer, max_prompt_tokens, images=images))
         except BadTaskRow:
             continue
     if not checked:
         return float("nan")
     entries, prompts = zip(*checked)
+    shown = [images.shown(e.get("image_hashes", [])) for e in entries] if images else None
     engine = Engine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    samples = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    samples = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), shown)
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     return sum(tasks.score(t, e) >= 1.0 for t, e in zip(texts, entries)) / len(entries)
 
@@ -207,6 +216,9 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
             local = Path(ws.base).exists()
             where = "" if local else " (no directory of that name here, so it was tried as a hub name)"
             raise FileNotFoundError(f"warmstart.base = {ws.base!r}{where}: {e}") from None
+    elif ws.architecture == "qwen2_5_vl":
+        tokenizer = build_tokenizer(cfg, train_tasks, demos)
+        model, _ = tiny_vlm(tokenizer, ws, out)
     else:
         tokenizer = build_tokenizer(cfg, train_tasks, demos)
         model = build_tiny_model(
@@ -214,14 +226,15 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
             experts=ws.experts, experts_per_token=ws.experts_per_token,
         )
     architecture = model.config.model_type
+    images = ImagePrompts(ws.base or out, model.config, tokenizer) if is_vision(model.config) else None
     n_params = sum(p.numel() for p in model.parameters())
     renderer = Renderer(tokenizer)
 
-    context = model.config.max_position_embeddings
+    context = model.config.get_text_config().max_position_embeddings
     example = _examples(
         (lambda: _demo_example(demos, renderer, rng, context)) if demos else
         (lambda: _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng,
-                               cfg.inference.max_prompt_tokens, context)), log)
+                               cfg.inference.max_prompt_tokens, context, images)), log)
 
     source = ws.demos or cfg.task.name + (f" (teacher {ws.teacher} {ws.teacher_params})" if teacher else "")
     built = ws.base or f"{ws.tokenizer} tokenizer"
@@ -232,9 +245,12 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     start, step, loss_value = time.monotonic(), 0, float("nan")
     model.train()
     while step < ws.steps and time.monotonic() - start < ws.max_seconds:
-        ids, labels = _sft_batch([example() for _ in range(ws.batch_size)], tokenizer.pad_token_id)
+        examples = [example() for _ in range(ws.batch_size)]
+        ids, labels = _sft_batch(examples, tokenizer.pad_token_id)
         mask = (ids != tokenizer.pad_token_id).long()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        shown = [e[2] for e in examples]
+        fed = vision.inputs(model, ids, mask, shown) if any(shown) else {"input_ids": ids}
+        loss = model(**fed, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -255,7 +271,7 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
         float("nan")
         if demos
         else greedy_accuracy(model, tokenizer, eval_tasks, cfg.task.eval_size or 200, cfg.rollout.max_tokens,
-                             cfg.inference.max_prompt_tokens)
+                             cfg.inference.max_prompt_tokens, images)
     )
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,

@@ -20,12 +20,14 @@ import json
 import math
 import numbers
 import weakref
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.config.sections import TaskConfig
 from asyncrl.plugins import import_object, read_user_text
 from asyncrl.run.role import ContractError
+from asyncrl.vision.images import BadImage, image_hash
 
 _SIZE = 2**62  # reasoning-gym generates item i on demand; the size only bounds the index
 _STRIDE = 1_000_000_007  # between a split's attempts at one index: a prime, so no index pattern repeats
@@ -65,7 +67,14 @@ class JsonlRows:
             raise BadTaskRow(f"{where} needs a string 'prompt' and an 'answer', got {self.lines[row][:80]!r}")
         if not record["prompt"].strip():
             raise BadTaskRow(f"{where} has an empty prompt")
-        return {"question": record["prompt"], "answer": str(record["answer"]), "metadata": {"row": row}}
+        images = record.get("images", [])
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise BadTaskRow(f"{where}: 'images' must be a list of file paths or data URIs, "
+                             f"got {images!r:.80}")
+        folder = Path(self.path).parent  # (an image's path is relative to its file's folder)
+        images = [i if i.startswith("data:") else str(folder / i) for i in images]
+        return {"question": record["prompt"], "answer": str(record["answer"]), "metadata": {"row": row},
+                **({"images": images} if images else {})}
 
     @staticmethod
     def score_answer(completion: str, entry: dict) -> float:
@@ -90,8 +99,11 @@ class GeneratedTasks:
 
 
 def item_key(prompt: str, entry: dict[str, Any]) -> str:
-    """What makes two items the same: what the policy is asked, and the answer that scores it."""
-    return f"{prompt}\x00{entry.get('answer')}"
+    """What makes two items the same: what the policy is asked (the text and any pictures), and the
+    answer that scores it."""
+    key = f"{prompt}\x00{entry.get('answer')}"
+    pictures = "".join(image_hash(i) if isinstance(i, bytes) else str(i) for i in entry.get("images", ()))
+    return f"{key}\x00{pictures}" if pictures else key
 
 
 def held_out(key: str, fraction: float) -> bool:
@@ -193,11 +205,12 @@ class TaskSource:
         return reward
 
 
-def servable_prompt(tasks, index: int, tokenizer, limit: int) -> tuple[dict, list[int]]:
+def servable_prompt(tasks, index: int, tokenizer, limit: int, images=None) -> tuple[dict, list[int]]:
     """(item `index` with its "prompt" text, the prompt's token ids); BadTaskRow if the item is
     malformed, empty, or longer than `limit` (inference.max_prompt_tokens) tokens. The one row check
-    of every reader of a task: training, evaluation, the warm start, the thread planner."""
-    return checked_prompt(tasks, tasks.item(index), tokenizer, limit, index)
+    of every reader of a task: training, evaluation, the warm start, the thread planner. `images`: a
+    vision-language policy's ImagePrompts (asyncrl/vision/prompts.py); None for a text-only one."""
+    return checked_prompt(tasks, tasks.item(index), tokenizer, limit, index, images)
 
 
 def prompt_text(tasks, entry: dict, limit: int, index: int | None = None) -> str:
@@ -211,11 +224,22 @@ def prompt_text(tasks, entry: dict, limit: int, index: int | None = None) -> str
     return text
 
 
-def checked_prompt(tasks, entry: dict, tokenizer, limit: int, index: int | None = None
+def checked_prompt(tasks, entry: dict, tokenizer, limit: int, index: int | None = None, images=None
                    ) -> tuple[dict, list[int]]:
-    """servable_prompt for an item already read (`index`: where it came from, for the message)."""
+    """servable_prompt for an item already read (`index`: where it came from, for the message). A row
+    with images leaves with their hashes ("image_hashes") in place of the images."""
     entry = {**entry, "prompt": prompt_text(tasks, entry, limit, index)}  # what an agent is asked
-    prompt = tasks.prompt_ids(entry, tokenizer)
+    refs = entry.pop("images", None)
+    if refs and images is None:
+        raise BadTaskRow(f"{tasks.where(entry, index)} shows {len(refs)} image(s), but the policy is a "
+                         "text-only model")
+    if not refs:
+        prompt = tasks.prompt_ids(entry, tokenizer)
+    else:
+        try:
+            prompt, entry["image_hashes"] = images.prompt(tasks, entry, refs)
+        except BadImage as e:
+            raise BadTaskRow(f"{tasks.where(entry, index)}: {e}") from None
     if len(prompt) > limit:
         raise BadTaskRow(f"{tasks.where(entry, index)}: the prompt has {len(prompt)} tokens; "
                          f"inference.max_prompt_tokens is {limit}")

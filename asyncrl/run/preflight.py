@@ -25,7 +25,8 @@ def check_inputs(cfg: Config, log=print) -> Config:
     load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
     if cfg.teacher.enabled:
         check_teacher_loads(cfg)  # (likewise)
-    buildable = (cfg.model.path == DEFAULT_MODEL or cfg.warmstart.demos) and cfg.model.warmstart_if_missing
+    own_recipe = cfg.warmstart.demos or cfg.warmstart.architecture == "qwen2_5_vl"  # (examples/ recipes)
+    buildable = (cfg.model.path == DEFAULT_MODEL or own_recipe) and cfg.model.warmstart_if_missing
     if buildable:
         cfg = _tiny_policy(cfg, log)
     elif not Path(cfg.model.path).exists():
@@ -33,6 +34,7 @@ def check_inputs(cfg: Config, log=print) -> Config:
     if Path(cfg.model.path).exists():
         check_model(Path(cfg.model.path))
     _check_prompts(cfg, log)
+    _check_images(cfg)
     agents = {path for path in cfg.agent_paths().values() if path}
     if agents:
         from asyncrl.agents.runner import chat_template, load_agent
@@ -115,6 +117,33 @@ def _check_prompts(cfg: Config, log) -> None:
             f"evaluation: {found} distinct held-out items of the {cfg.task.eval_size} asked "
             f"(task.eval_size): {why}"
         )
+
+
+def _check_images(cfg: Config) -> None:
+    """A task whose rows show images needs a vision-language policy, served by the built-in engine."""
+    from asyncrl.rewards.tasks import BadTaskRow, load_tasks
+
+    try:
+        shows = bool(load_tasks(cfg.task).item(0).get("images"))
+    except BadTaskRow:  # (its own check reports it)
+        return
+    if not shows:
+        return
+    config = _config_json(Path(cfg.model.path)) if Path(cfg.model.path).is_dir() else {}
+    if Path(cfg.model.path).is_dir() and "vision_config" not in config:
+        raise ConfigError(f"task {cfg.task.name!r} shows images, but model.path = {cfg.model.path!r} is a "
+                          f"text-only model ({config.get('model_type', 'no model_type')}): use a "
+                          "vision-language model (e.g. warmstart.architecture = \"qwen2_5_vl\")")
+    if cfg.inference.engine == "vllm":
+        raise ConfigError(f"task {cfg.task.name!r} shows images: inference.engine = \"vllm\" has no "
+                          "multimodal path in asyncrl yet; use the built-in engine")
+
+
+def _config_json(model: Path) -> dict:
+    try:
+        return json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _has_chat_template(model: Path) -> bool:

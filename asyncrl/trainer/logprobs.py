@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from asyncrl.inference import kv
 from asyncrl.policy import routing
+from asyncrl.vision import inputs as vision
 
 # A forward call's fixed cost in tokens' worth of compute: rows are only split into length buckets, and
 # prompts only shared, when the tokens saved outweigh the extra calls.
@@ -65,6 +66,9 @@ def token_logprobs(model, batch: dict, temperature: float, entropy_grad: bool = 
     needs its gradient. A batch with "top_ids" ([B, T-1, k]: a teacher's top-k at each position) gets a
     third tensor, log π of those ids [B, T-1, k], from the same logits."""
     lengths = batch["attention"].sum(-1).tolist()
+    if "pictures" in batch:  # a vision-language policy: every call below slices these (once per batch)
+        fed = vision.inputs(model, batch["tokens"], batch["attention"], batch["pictures"])
+        batch = {**batch, "embeds": fed["inputs_embeds"], "positions": fed["position_ids"]}
     # (a teacher's top-k ids may differ between rows over the same tokens, a hinted turn's say: not shared)
     shared = shared_prefixes(batch, lengths) if buckets and share_prefixes and "top_ids" not in batch else []
     grouped = {r for _, members in shared for r in members}
@@ -89,10 +93,22 @@ def _forward(model, batch, rows, lengths, temperature, entropy_grad, chunk_value
     tokens, attention = batch["tokens"][idx, :w], batch["attention"][idx, :w]
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # (the last position predicts nothing)
     targets = _with_top(batch, targets, idx[:, None], torch.arange(w, device=idx.device)[None])
+    cols = torch.arange(w, device=idx.device)[None]
     with chunked_head(model, targets, temperature, entropy_grad, chunk_values), \
-            _replaying(model, batch, idx[:, None], torch.arange(w, device=idx.device)[None]):
-        out = model(input_ids=tokens, attention_mask=attention).logits[:, :-1]
+            _replaying(model, batch, idx[:, None], cols):
+        out = model(**_fed(batch, idx[:, None], cols), attention_mask=attention).logits[:, :-1]
     return _outputs(out, batch["tokens"].shape[1] - 1, entropy_grad)
+
+
+def _fed(batch: dict, rows: torch.Tensor, cols: torch.Tensor, text_positions: torch.Tensor | None = None
+         ) -> dict:
+    """The model's inputs for the tokens at [rows, cols]: their ids (and `text_positions`, if given), or for
+    a vision-language policy their embeddings, images included, and their 3-D positions."""
+    if "embeds" in batch:
+        return {"inputs_embeds": batch["embeds"][rows, cols],
+                "position_ids": batch["positions"][:, rows, cols]}
+    return {"input_ids": batch["tokens"][rows, cols],
+            **({"position_ids": text_positions} if text_positions is not None else {})}
 
 
 def _replaying(model, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
@@ -162,7 +178,8 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
                                torch.arange(q_max, device=device)[None])
     with chunked_head(model, prefix_targets, temperature, entropy_grad, chunk_values), \
             _replaying(model, batch, first[:, None], torch.arange(q_max, device=device)[None]):
-        prefix = model(input_ids=tokens[first, :q_max], attention_mask=prefix_attention, use_cache=True)
+        prefix = model(**_fed(batch, first[:, None], torch.arange(q_max, device=device)[None]),
+                       attention_mask=prefix_attention, use_cache=True)
     cache_arg = kv.cache_kwarg(model)
     prefix_kv = kv.tensors(prefix[cache_arg])
     members = [(g, r) for g, (_, rows) in enumerate(shared) for r in rows]
@@ -173,13 +190,13 @@ def _shared_forward(model, batch, shared, lengths, temperature, entropy_grad, ch
         rows = torch.tensor([members[i][1] for i in run], device=device)
         cols = qs[groups][:, None] + torch.arange(max(own[i] for i in run), device=device)[None]
         valid = cols < torch.tensor([lengths[members[i][1]] for i in run], device=device)[:, None]
-        ids = tokens[rows[:, None], cols.clamp(max=width)]
         targets = _with_top(batch, tokens[rows[:, None], (cols + 1).clamp(max=width)], rows[:, None], cols)
         cache = kv.build([(k[groups], v[groups]) for k, v in prefix_kv], model.config, spare=None)
         with chunked_head(model, targets, temperature, entropy_grad, chunk_values), \
                 _replaying(model, batch, rows[:, None], cols.clamp(max=width)):
-            out = model(input_ids=ids, attention_mask=torch.cat([prefix_attention[groups], valid.long()], 1),
-                        position_ids=cols, use_cache=True, **{cache_arg: cache}).logits
+            out = model(**_fed(batch, rows[:, None], cols.clamp(max=width), cols),
+                        attention_mask=torch.cat([prefix_attention[groups], valid.long()], 1),
+                        use_cache=True, **{cache_arg: cache}).logits
         for j, i in enumerate(run):  # the shared positions' outputs, then the row's own
             g, r = members[i]
             row = torch.cat([prefix.logits[g, :shared[g][0]], out[j, :own[i] - 1]])
@@ -200,6 +217,8 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
     hidden states are kept for the backward pass."""
     head = model.get_output_embeddings()
     chunk = max(1, chunk_values // head.weight.shape[0])
+    left_out = vision.placeholders(model.config)  # (as the engine samples: without the image tokens)
+    left_out = torch.tensor(left_out, device=head.weight.device) if left_out else None
 
     per_position = targets.shape[2] if targets.dim() == 3 else 1
 
@@ -210,9 +229,9 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
             h, t = flat[lo:lo + chunk], flat_targets[lo:lo + chunk]
             if torch.is_grad_enabled() and flat.shape[0] > chunk:  # (one chunk: recomputing saves nothing)
                 parts.append(checkpoint(_head_chunk, head.weight, head.bias, h, t, temperature, entropy_grad,
-                                        use_reentrant=False))
+                                        left_out, use_reentrant=False))
             else:
-                parts.append(_head_chunk(head.weight, head.bias, h, t, temperature, entropy_grad))
+                parts.append(_head_chunk(head.weight, head.bias, h, t, temperature, entropy_grad, left_out))
         return torch.cat(parts).reshape(*hidden.shape[:-1], per_position + 1)
 
     head.forward = forward  # (an instance attribute shadows the class's forward until deleted)
@@ -222,13 +241,15 @@ def chunked_head(model, targets: torch.Tensor, temperature: float, entropy_grad:
         del head.forward
 
 
-def _head_chunk(weight, bias, hidden, targets, temperature: float, entropy_grad: bool) -> torch.Tensor:
+def _head_chunk(weight, bias, hidden, targets, temperature: float, entropy_grad: bool,
+                left_out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, K + 1]: log π of each of the K targets and the entropy at n positions, from their logits in
-    float32."""
+    float32; the ids `left_out` (a vision-language policy's image tokens) have no probability."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets) - norm[:, None]
+    allowed = logits if left_out is None else logits.index_fill(-1, left_out, -torch.inf)
+    norm = torch.logsumexp(allowed, dim=-1)
+    logp = logits.gather(-1, targets) - norm[:, None]  # (finite even where a prompt's target is an image pad)
     source = logits if entropy_grad else logits.detach()
-    probs = torch.softmax(source, dim=-1)
+    probs = torch.softmax(allowed if entropy_grad else allowed.detach(), dim=-1)
     entropy = (norm if entropy_grad else norm.detach()) - (probs * source).sum(-1)
     return torch.cat([logp, entropy[:, None]], dim=-1)

@@ -37,6 +37,7 @@ from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step, warm_up
 from asyncrl.trajectory import read_batch, read_header
 from asyncrl.transports import weights
+from asyncrl.vision.inputs import picture_loader
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -177,6 +178,7 @@ class Setup:
     published: list[str]  # names of the published weights (tied weights once), from the unsharded model
     settings: dict  # the live settings in force at the checkpoint resumed from (asyncrl/control/live.py)
     adapters_only: bool  # trainer.lora: versions and checkpoints hold the adapters alone
+    pictures: object  # a vision-language policy's hash -> Picture (asyncrl/vision/inputs.py), else None
 
     def published_state(self, ranks: Ranks) -> dict[str, torch.Tensor]:
         """What a version holds, on the leader (every rank takes part): the weights, or the adapters."""
@@ -212,7 +214,7 @@ def build(run_dir: Path, cfg, ranks: Ranks, events: EventLog | None) -> Setup:
         torch.set_rng_state(resumed["rng"])
         first_step, settings = resumed["step"], resumed.get("settings", {})
     return Setup(model, tokenizer, optimizer, scheduler, first_step, ref_model, published, settings,
-                 adapters_only)
+                 adapters_only, picture_loader(cfg.model.path, model.config, run_dir))
 
 
 def train(run_dir: Path, cfg, ranks: Ranks) -> None:
@@ -260,7 +262,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
         # (a long step is not a hung one)
         with heartbeat.through(cfg.timeouts.step_compute) if leader else contextlib.nullcontext():
             metrics = train_step(model, optimizer, objective, trajs, step, step_cfg,
-                                 setup.tokenizer.pad_token_id, setup.ref_model, phases, ranks)
+                                 setup.tokenizer.pad_token_id, setup.ref_model, phases, ranks, setup.pictures)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
         check_finite(model, step, metrics, ranks)
         scheduler.step()

@@ -20,10 +20,11 @@ from asyncrl.trajectory import Trajectory
 
 
 def collate(trajs: list[Trajectory], pad_id: int, version: int,
-            with_routes: bool = False) -> dict[str, torch.Tensor]:
+            with_routes: bool = False, pictures=None) -> dict[str, torch.Tensor]:
     """Right-padded tensors; per-token fields are shifted to align with next-token logits. `with_routes`: with
     the engine's experts of every token ([B, T, MoE layers, k], unshifted: a token's routing is its
-    own input position's), for routing replay."""
+    own input position's), for routing replay. `pictures` (hash -> Picture): a vision-language policy's
+    images; a batch that shows any gets "pictures", each row's list (not a tensor)."""
     width = max(len(t.tokens) for t in trajs)
 
     def pad(field: str, fill, dtype) -> torch.Tensor:  # one tensor from padded lists: no per-row copies
@@ -38,6 +39,7 @@ def collate(trajs: list[Trajectory], pad_id: int, version: int,
     mask = pad("loss_mask", 0, torch.float32)[:, 1:]
     group_ids = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
     return {
+        **_pictures_field(trajs, pictures),
         **(_routing_field(trajs, width) if with_routes else {}),
         **_teacher_fields(trajs, pad),
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
@@ -69,6 +71,15 @@ def _routing_field(trajs: list[Trajectory], width: int) -> dict[str, torch.Tenso
                                 f"{len(trajs[row].tokens)} tokens (the first's: [tokens, {layers}, {k}])")
         out[row, :len(r)] = r
     return {"routing": out}
+
+
+def _pictures_field(trajs: list[Trajectory], pictures) -> dict[str, list]:
+    if not any(t.images for t in trajs):
+        return {}
+    if pictures is None:
+        raise ContractError(f"{sum(bool(t.images) for t in trajs)} of the batch's samples show images, but "
+                            "the trainer's policy is a text-only model")
+    return {"pictures": [[pictures(h) for h in t.images or ()] for t in trajs]}
 
 
 def _teacher_fields(trajs: list[Trajectory], pad) -> dict[str, torch.Tensor]:
@@ -147,15 +158,17 @@ def group_logprobs(model, batch: dict, temperature: float, ranks: Ranks, entropy
 
 
 def train_step(model, optimizer, objective, trajs: list[Trajectory], version: int, cfg, pad_id: int,
-               ref_model=None, phases: Phases | None = None, ranks: Ranks | None = None) -> dict:
+               ref_model=None, phases: Phases | None = None, ranks: Ranks | None = None,
+               pictures=None) -> dict:
     """Optimizer steps over `trajs` (cfg.trainer.minibatches of them); returns the step's metrics.
     `phases` accumulates the seconds of collate, recompute, forward_backward, optimizer and metrics.
-    `ranks`: the trainer's group (asyncrl/trainer/ranks.py); every rank passes the same `trajs`."""
+    `ranks`: the trainer's group (asyncrl/trainer/ranks.py); every rank passes the same `trajs`.
+    `pictures`: a vision-language policy's hash -> Picture."""
     phases, ranks = phases or Phases(), ranks or Ranks()
     device = next(model.parameters()).device
     with phases("collate"):
-        batch = collate(trajs, pad_id, version, cfg.trainer.routing_replay)
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = collate(trajs, pad_id, version, cfg.trainer.routing_replay, pictures)
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch["weights"] = aggregation_weights(batch["mask"], cfg.objective.loss_agg)
     temperature = cfg.rollout.temperature
     obj = cfg.objective
