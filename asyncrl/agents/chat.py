@@ -27,16 +27,28 @@ class ChatFormatError(ValueError):
     """The request cannot extend the episode's tokens without re-encoding what was sampled."""
 
 
-def normalize(message: Any) -> dict:
-    """An OpenAI message (dict or the client's pydantic object) as the plain dict templates take."""
+def normalize(message: Any, image_marker: str | None = None) -> dict:
+    """An OpenAI message (dict or the client's pydantic object) as the plain dict templates take. Its image
+    parts ({"type": "image_url", ...}) become `image_marker` in the text (a vision-language policy's
+    placeholder) and their URLs the message's "images"."""
     if hasattr(message, "model_dump"):
         message = message.model_dump(exclude_none=True)
     if not isinstance(message, dict) or "role" not in message:
         raise ChatFormatError(f"a message must be an object with a 'role', got {message!r:.80}")
-    content = message.get("content") or ""
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    out = {"role": message["role"], "content": content}
+    content, images = message.get("content") or "", []
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}, ...]
+        pieces = []
+        for part in (p for p in content if isinstance(p, dict)):
+            if part.get("type") != "image_url":
+                pieces.append(part.get("text", ""))
+                continue
+            if image_marker is None:
+                raise ChatFormatError("a message shows an image, but the policy is a text-only model")
+            url = part.get("image_url")
+            images.append(url.get("url") if isinstance(url, dict) else url)
+            pieces.append(image_marker)
+        content = "".join(pieces)
+    out = {"role": message["role"], "content": content, **({"images": images} if images else {})}
     if message.get("tool_calls"):
         out["tool_calls"] = [{"id": c.get("id"), "type": "function",
                               "function": {"name": c["function"]["name"],
@@ -52,7 +64,7 @@ def _same(a: dict, b: dict) -> bool:
     """Equal as conversation turns (tool-call ids and field order do not matter)."""
     def key(m):
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
-        return m["role"], m["content"], calls
+        return m["role"], m["content"], calls, m.get("images")
     return key(a) == key(b)
 
 
@@ -92,14 +104,16 @@ class PolicySession:
     """Chat or completion calls of one episode, each appending exact tokens to `episode`."""
 
     def __init__(self, episode: Episode, client, renderer: Renderer, sampling: dict, stop_ids: list[int],
-                 tool_parser: str = "hermes"):
-        self.episode, self.client, self.renderer = episode, client, renderer
+                 tool_parser: str = "hermes", images=None):
+        """`images`: a vision-language policy's ImagePrompts (asyncrl/vision/prompts.py)."""
+        self.episode, self.client, self.renderer, self.images = episode, client, renderer, images
         self.tokenizer = renderer.tokenizer
         self.sampling, self.stop_ids = sampling, stop_ids
         self.parse = PARSERS[tool_parser]
         self.history: list[dict] = []  # the conversation so far, ending with the policy's last reply
         self.text = ""                 # a completions episode: prompt + completion so far
         self.last_sampled: list[int] = []
+        self.pending_images: list[str] = []  # the images of the turn being sampled
         self.turn = asyncio.Lock()  # one call at a time: two at once would interleave their tokens
 
     # --- chat -------------------------------------------------------------------------------
@@ -112,11 +126,16 @@ class PolicySession:
     async def _chat(self, messages: list, tools: list[dict] | None, max_tokens: int | None):
         if self.text:
             raise ChatFormatError("this episode is a /v1/completions one; it cannot continue as a chat")
-        messages = [normalize(m) for m in messages]
+        marker = self.images.marker() if self.images else None
+        messages = [normalize(m, marker) for m in messages]
         if not messages:
             raise ChatFormatError("'messages' is empty")
         new_ids = self._extension(messages, tools) if self.history else \
             self.renderer.encode(self.renderer.text(messages, tools, True))
+        shown = [url for m in messages for url in m.get("images", ())][len(self.episode.images):]
+        if shown:  # (the new messages' images: widened in the ids, stored, shown with every later turn)
+            new_ids, hashes = self.images.widen(new_ids, shown)
+            self.pending_images = hashes
         choice = await self._sample(new_ids, max_tokens)
         content = self.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
         calls: list[dict] = []
@@ -203,6 +222,7 @@ class PolicySession:
         episode = self.episode
         budget = episode.start_turn(max_tokens, len(new_ids))
         try:
+            shown = episode.images + self.pending_images
             [choice] = await self.client.complete(
                 [episode.tokens + new_ids],
                 1,
@@ -211,6 +231,8 @@ class PolicySession:
                 self.sampling["top_p"],
                 self.stop_ids,
                 cache_prefix=True,  # (the next turn continues this one)
+                images=[shown] if shown else None,
+                image_bytes=self.images.store.get if self.images else None,
             )
         except InferenceUnavailable:
             episode.server_lost = True
@@ -218,6 +240,7 @@ class PolicySession:
         if choice["finish_reason"] == "abort":
             raise EpisodeAborted("the inference server aborted this turn (a weight update)")
         episode.add_context(new_ids)  # only now: a failed call leaves the record as it was
+        episode.images, self.pending_images = episode.images + self.pending_images, []
         episode.add_sampled(choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["versions"])
         episode.finish_reason = choice["finish_reason"]
         episode.routing = choice.get("routing")

@@ -46,6 +46,7 @@ class Episode:
     # a MoE policy's routing of every token up to the latest turn's (that turn's prompt was the whole
     # record before it: the engine routed it all)
     routing: dict | None = None
+    images: list[str] = field(default_factory=list)  # a vision-language policy's, by hash, in token order
 
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids

@@ -199,8 +199,9 @@ class AgentContext:
 
 
 class AgentRunner:
-    def __init__(self, cfg, tokenizer, verifiers, events):
-        self.cfg, self.verifiers, self.events = cfg, verifiers, events
+    def __init__(self, cfg, tokenizer, verifiers, events, images=None):
+        """`images`: a vision-language policy's ImagePrompts (episodes whose messages show images)."""
+        self.cfg, self.verifiers, self.events, self.images = cfg, verifiers, events, images
         self.agent_of = {tag: load_agent(path) for tag, path in cfg.agent_paths().items() if path}
         self.renderer = Renderer(tokenizer, chat_template(cfg.agent.chat_template))
         self.queue = EpisodeQueue(cfg.agent.max_concurrent_episodes, cfg.agent.scheduling)
@@ -238,7 +239,7 @@ class AgentRunner:
         sampling = {"temperature": 0.0 if greedy else ro.temperature, "top_p": 1.0 if greedy else ro.top_p}
         episode = Episode(self.limits)
         session = PolicySession(
-            episode, client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser
+            episode, client, self.renderer, sampling, self.stop_ids, self.cfg.agent.tool_parser, self.images
         )
         base_url = f"{self.proxy_url}/episodes/{episode_id}/v1" if self.proxy_url else None
         ctx = AgentContext(self, task, session, episode_id, base_url)

@@ -79,9 +79,9 @@ class Orchestrator:
         router.version = self.ledger.get("served_version", 0)
         self.breaker = Breaker(cfg.rollout.max_failed_samples, cfg.timeouts.no_accepted_sample)
         self.bad_rows: set[str] = set()  # reported once: a file read in epochs meets its bad rows again
-        self.agents = AgentRunner(cfg, tokenizer, verifiers, self.events) \
-            if any(cfg.agent_paths().values()) else None
         self.images = image_prompts(cfg.model.path, tokenizer, run_dir)  # a vision-language policy's
+        self.agents = AgentRunner(cfg, tokenizer, verifiers, self.events, self.images) \
+            if any(cfg.agent_paths().values()) else None
         self.showing: dict[int, list[str]] = {}  # the images of each group generating
         eval_tasks = load_tasks(cfg.task, held_out=True) if cfg.task.eval_size else None
         self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents,

@@ -94,6 +94,7 @@ async def rollout_agent_group(agents, client, entry: dict, index: int, cfg
                 logprobs=ep.logprobs,
                 versions=ep.versions,
                 routing=ep.routing,
+                images=ep.images or None,
                 reward=out.reward,
                 info={
                     "finish_reason": ep.finish_reason,

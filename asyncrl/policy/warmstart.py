@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from asyncrl.agents.chat import Renderer, conversation_segments
+from asyncrl.agents.chat import Renderer, conversation_segments, normalize
+from asyncrl.agents.runner import chat_template
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.sections import InferenceConfig
 from asyncrl.inference.engine import Engine, SamplingParams
@@ -90,16 +91,23 @@ def _examples(make, log) -> Callable[[], tuple[list[int], list[int]]]:
     return example
 
 
-def _demo_example(demos, renderer: Renderer, rng: random.Random, context: int) -> tuple[list[int], list[int]]:
-    """(a demonstration conversation's ids, labels only on the policy's turns)."""
+def _demo_example(demos, renderer: Renderer, rng: random.Random, context: int, images=None
+                  ) -> tuple[list[int], list[int], tuple]:
+    """(a demonstration conversation's ids, labels only on the policy's turns, its Pictures). `images`: a
+    vision-language policy's ImagePrompts, for conversations whose messages show images."""
     demo = demos(rng)
-    ids, labels = [], []
-    for text, is_policy in conversation_segments(renderer, demo["messages"], demo.get("tools")):
+    messages = [normalize(m, images.marker()) for m in demo["messages"]] if images else demo["messages"]
+    refs = [ref for m in messages for ref in m.get("images", ())]
+    ids, labels, hashes = [], [], []
+    for text, is_policy in conversation_segments(renderer, messages, demo.get("tools")):
         piece = renderer.encode(text)
+        if not is_policy and refs:  # (the images it shows, widened; the policy's turns show none)
+            piece, shown = images.widen(piece, refs[len(hashes):len(hashes) + piece.count(images.pad)])
+            hashes += shown
         ids += piece
         labels += piece if is_policy else [-100] * len(piece)
     _check_fits(len(ids), context, "warmstart.demos: a conversation")
-    return ids, labels, ()
+    return ids, labels, images.shown(hashes) if hashes else ()
 
 
 def _sft_batch(examples: list[tuple], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +148,8 @@ def build_tokenizer(cfg: Config, tasks: TaskSource, demos):
     if cfg.warmstart.tokenizer == "char":
         return build_char_tokenizer()
     rng = random.Random(cfg.warmstart.seed)
-    if demos:
-        texts = [json.dumps(demos(rng)) for _ in range(CORPUS_ITEMS)]
+    if demos:  # (a demo's images are not text: left out)
+        texts = [json.dumps(demos(rng), default=lambda _: "") for _ in range(CORPUS_ITEMS)]
     else:
         texts = []
         for index in range(CORPUS_ITEMS):
@@ -170,9 +178,11 @@ def recipe(cfg: Config) -> dict:
     """What a warm-started policy is a function of: the launcher rebuilds the default policy when it
     changes."""
     unset = {"base"} if cfg.warmstart.base is None else set()  # (older policies stay current)
+    # demonstrations are rendered with the agents' chat template (a policy without demos never sees it)
+    agent = {"agent": {"chat_template"}} if cfg.warmstart.demos and cfg.agent.chat_template else {}
     return cfg.model_dump(mode="json", include={
         "warmstart": set(type(cfg.warmstart).model_fields) - {"threads", "max_seconds"} - unset,
-        "task": {"name", "params", "prompt_format", "chat", "holdout"}})
+        "task": {"name", "params", "prompt_format", "chat", "holdout"}, **agent})
 
 
 def recipe_hash(cfg: Config) -> str:
@@ -228,11 +238,11 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     architecture = model.config.model_type
     images = ImagePrompts(ws.base or out, model.config, tokenizer) if is_vision(model.config) else None
     n_params = sum(p.numel() for p in model.parameters())
-    renderer = Renderer(tokenizer)
+    renderer = Renderer(tokenizer, chat_template(cfg.agent.chat_template))  # (as the run's episodes render)
 
     context = model.config.get_text_config().max_position_embeddings
     example = _examples(
-        (lambda: _demo_example(demos, renderer, rng, context)) if demos else
+        (lambda: _demo_example(demos, renderer, rng, context, images)) if demos else
         (lambda: _task_example(train_tasks, tokenizer, rng.randrange(10**9), teacher, rng,
                                cfg.inference.max_prompt_tokens, context, images)), log)
 

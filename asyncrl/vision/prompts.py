@@ -17,19 +17,27 @@ class ImagePrompts:
         self.config, self.tokenizer = config, tokenizer
         self.store = store or ImageStore(None)
         self.pictures = Pictures(model_path, config)
+        self.pad = config.image_token_id
 
     def shown(self, hashes: list[str]) -> tuple:
         """The Pictures of these stored images."""
         return tuple(self.pictures.get(h, lambda h=h: self.store.get(h)) for h in hashes)
 
+    def marker(self) -> str:
+        """One image's placeholder text (one pad wide: `widen` makes it the image's width)."""
+        return placeholder_text(self.tokenizer, self.config, 1)
+
     def prompt(self, tasks, entry: dict, refs: list) -> tuple[list[int], list[str]]:
         """(prompt ids, image hashes) of a row showing `refs`; BadImage for an image that does not
         decode, is too large or is missing."""
+        marked = {**entry, "question": self.marker() * len(refs) + entry["question"]}
+        return self.widen(tasks.prompt_ids(marked, self.tokenizer), refs)
+
+    def widen(self, ids: list[int], refs: list) -> tuple[list[int], list[str]]:
+        """(`ids` with the k-th image pad widened to image k's tokens, the images' hashes), the images
+        stored; `refs` as image_bytes takes them."""
         datas = [image_bytes(ref) for ref in refs]
         hashes = [self.store.put(d) for d in datas]
-        markers = placeholder_text(self.tokenizer, self.config, len(refs))
-        marked = {**entry, "question": markers + entry["question"]}
-        ids = tasks.prompt_ids(marked, self.tokenizer)
         widths = [self.pictures.tokens(self.pictures.get(h, d)) for h, d in zip(hashes, datas)]
         return expand(ids, widths, self.config.image_token_id), hashes
 
