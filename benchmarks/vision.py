@@ -1,6 +1,6 @@
 """Images in, text out on CPU: what RL adds to a warm-started tiny Qwen2.5-VL, and what the images cost.
 
-    python benchmarks/vision.py [--steps 60] [--seeds 0 1 2]
+    python benchmarks/vision.py [--steps 100] [--seeds 0 1 2]
 
 1. Per seed: the recipe of examples/vision/shapes_tiny.toml (a tiny Qwen2.5-VL warm-started on "which
    colour is the largest shape?" by a teacher that names the smaller shape's colour in 60% of its
@@ -56,9 +56,11 @@ def config(kind: str, seed: int, steps: int):
 
 
 def run(kind: str, seed: int, steps: int) -> dict:
-    from asyncrl.run.preflight import check_inputs
+    from asyncrl.policy.warmstart import is_current, warmstart
 
-    cfg = check_inputs(config(kind, seed, steps), log=lambda *a, **k: None)  # (builds the policy if missing)
+    cfg = config(kind, seed, steps)
+    if not is_current(cfg, cfg.model.path):
+        warmstart(cfg, cfg.model.path, log=lambda *a, **k: None)
     warm = json.loads((Path(cfg.model.path) / "warmstart.json").read_text())
     start = time.monotonic()
     run_dir = train(cfg, log=lambda *a, **k: None)
@@ -128,7 +130,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--one-step")
     args = parser.parse_args()
