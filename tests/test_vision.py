@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import built_once, inference_server, job_config
+from conftest import TESTS, built_once, inference_server, job_config
 
 from asyncrl.config import ConfigError
 from asyncrl.config.sections import TaskConfig
@@ -191,3 +191,26 @@ def test_a_short_run_trains_on_images_stored_once(vision_model, tmp_path):
     assert shown <= stored and len(stored - shown) <= 8 + 2 * 4
     metrics = [json.loads(line) for line in run_dir.metrics.read_text().splitlines()]
     assert all(r["mismatch_kl"] < 1e-6 for r in metrics if "mismatch_kl" in r and r["step"] == 0)
+
+
+@pytest.mark.e2e
+def test_a_gui_agent_that_sees_a_screen_every_turn_learns(tmp_path, record):
+    """examples/agents/gui.py, shortened: warm start from demonstrations that show a screen per turn, then RL
+    whose every request carries the episode's screens so far."""
+    from asyncrl.config import load_config
+    from asyncrl.run.launcher import train
+    from asyncrl.rundir import RunDir
+    from asyncrl.trajectory import read_batch
+
+    recipe = TESTS.parent / "examples/agents/gui_tiny.toml"
+    cfg = load_config(recipe, overrides=[
+        "--model.path", str(tmp_path / "gui"), "--warmstart.batch_size", "16", "--run.steps", "50",
+        "--rollout.prompts_per_step", "16", "--task.eval_size", "0", "--trainer.threads", "1",
+        "--inference.threads", "1", "--run.root", str(tmp_path / "runs")])
+    run_dir = RunDir(train(cfg, log=lambda *a, **k: None))
+    summary = json.loads(run_dir.summary.read_text())
+    rise = summary["reward_last_20pct"] - summary["reward_first_20pct"]
+    record("reward_rise", rise, 0.08)
+    assert rise > 0.08
+    episode = read_batch(run_dir.batch(cfg.run.steps - 1))[0]
+    assert len(episode.images) == 2 and len(set(episode.images)) == 2  # (a new screen in the second turn)

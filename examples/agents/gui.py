@@ -1,11 +1,11 @@
-"""A GUI-style environment (DART's setting, small): the agent sees a rendered screen and clicks.
+"""A GUI-style environment (DART's setting, small): the agent fills a form it sees on a rendered screen.
 
-Each screen is a 3 x 3 grid of buttons drawn with Pillow at 84 x 84 pixels (a button per 28-pixel
-cell: one image token of the tiny vision-language policy each); one button is coloured, the others
-grey. The policy acts through a tool call, `click(k)` with k the button's number (1-9, row by row), and
-the tool's answer is the next screen: a new picture every turn, two screens an episode. Each screen
-cleared is worth 0.5. The warm start's demonstrations click the coloured button on half of the screens
-and a grey one otherwise; RL has to find that the coloured one pays.
+Each screen is a form drawn with Pillow at 84 x 84 pixels: a colour swatch above an empty text field. The
+policy acts through a tool call, `type(text)`, writing the swatch's colour name into the field; the tool's
+answer is the next screen (the form's next field, another swatch): a new picture every turn, two screens an
+episode, each field typed right worth 0.5. The warm start's demonstrations type the right colour on 35% of
+the screens and one of the three others otherwise, so a sampled episode starts out with about one field in
+three right: RL has to find which colour word pays for which swatch.
 """
 from __future__ import annotations
 
@@ -15,21 +15,22 @@ import random
 from asyncrl.agents import tool
 from asyncrl.agents.tools import parse_arguments
 
-SCREENS, GRID, CELL = 2, 3, 28
-COLOURS = [(220, 30, 30), (30, 170, 50), (40, 60, 220), (235, 200, 20)]
-ASK = "Click the coloured button."
+SCREENS, SIZE = 2, 84
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 60, 220), "yellow": (235, 200, 20)}
+RIGHT = 0.35  # the demonstrations' share of right answers
+ASK = "Type the colour of the swatch."
 
 
-def screen(target: int, colour: int) -> bytes:
-    """The PNG of a grid whose button `target` (1-9) has colour `colour` and the rest are grey."""
+def screen(colour: str, field: int) -> bytes:
+    """The PNG of form field `field`: a window frame, the swatch, an empty text box under it."""
     from PIL import Image, ImageDraw
 
-    canvas = Image.new("RGB", (GRID * CELL, GRID * CELL), (250, 250, 250))
+    canvas = Image.new("RGB", (SIZE, SIZE), (235, 235, 235))
     draw = ImageDraw.Draw(canvas)
-    for k in range(GRID * GRID):
-        x, y = (k % GRID) * CELL, (k // GRID) * CELL
-        fill = COLOURS[colour] if k + 1 == target else (150, 150, 150)
-        draw.rectangle((x + 4, y + 4, x + CELL - 5, y + CELL - 5), fill=fill)
+    draw.rectangle((0, 0, SIZE - 1, 9), fill=(60, 60, 90))  # the title bar
+    draw.rectangle((4 + 6 * field, 2, 8 + 6 * field, 6), fill=(200, 200, 200))  # which field: a tab
+    draw.rectangle((14, 16, SIZE - 15, 52), fill=COLOURS[colour])
+    draw.rectangle((10, 60, SIZE - 11, 76), fill=(255, 255, 255), outline=(90, 90, 90))
     out = io.BytesIO()
     canvas.save(out, format="PNG")
     return out.getvalue()
@@ -40,53 +41,50 @@ def _shows(png: bytes, text: str) -> list[dict]:
 
 
 @tool(timeout=1.0)
-def click(button: str) -> str:
-    """Click the button with this number (1-9, row by row)."""
-    return button  # (the agent below plays the click: the next screen is its answer)
+def type(text: str) -> str:  # noqa: A001 (the action's name, as a GUI agent's)
+    """Type text into the form's field."""
+    return text  # (the agent below plays the action: the next screen is its answer)
 
 
 def tasks(index: int, seed: int) -> dict:
-    """Task generator (task.name): the coloured buttons and their colours of episode `index`."""
+    """Task generator (task.name): the swatches of episode `index`."""
     rng = random.Random(seed * 1_000_003 + index)
-    targets = [rng.randint(1, GRID * GRID) for _ in range(SCREENS)]
-    colours = [rng.randrange(len(COLOURS)) for _ in range(SCREENS)]
-    return {"question": ASK, "answer": " ".join(map(str, targets)),
-            "metadata": {"targets": targets, "colours": colours}}
+    colours = [rng.choice(sorted(COLOURS)) for _ in range(SCREENS)]
+    return {"question": ASK, "answer": " ".join(colours), "metadata": {"colours": colours}}
 
 
-def _clicked(reply: dict) -> int | None:
-    """The button the reply's first tool call clicks (its arguments are JSON, as OpenAI's are)."""
+def typed(reply: dict) -> str | None:
+    """The text the reply's first tool call types (its arguments are JSON, as OpenAI's are)."""
     calls = reply.get("tool_calls") or []
-    if not calls or calls[0]["function"]["name"] != "click":
+    if not calls or calls[0]["function"]["name"] != "type":
         return None
-    button = str(parse_arguments(calls[0]["function"]["arguments"]).get("button", "")).strip()
-    return int(button) if button.isdigit() else None
+    return str(parse_arguments(calls[0]["function"]["arguments"]).get("text", "")).strip().lower()
 
 
 async def agent(task: dict, ctx) -> list[float]:
-    """Screens in turn; each reply's click is scored and answered with the next screen."""
-    meta = task["metadata"]
-    messages = [{"role": "user", "content": _shows(screen(meta["targets"][0], meta["colours"][0]), ASK)}]
-    for k, target in enumerate(meta["targets"]):
-        reply, _ = await ctx.chat(messages, tools=[click.schema])
+    """The form's screens in turn; each reply's typing is scored and answered with the next screen."""
+    colours = task["metadata"]["colours"]
+    messages = [{"role": "user", "content": _shows(screen(colours[0], 0), ASK)}]
+    for k, colour in enumerate(colours):
+        reply, _ = await ctx.chat(messages, tools=[type.schema])
         messages.append(reply)
-        hit = _clicked(reply) == target
-        ctx.reward(1 / SCREENS if hit else 0.0)
+        right = typed(reply) == colour
+        ctx.reward(1 / SCREENS if right else 0.0)
         if k + 1 < SCREENS:
-            nxt = screen(meta["targets"][k + 1], meta["colours"][k + 1])
-            messages.append({"role": "tool", "content": _shows(nxt, "clicked" if hit else "missed")})
+            answer = "accepted" if right else "rejected"
+            messages.append({"role": "tool", "content": _shows(screen(colours[k + 1], k + 1), answer)})
     return ctx.turn_rewards
 
 
 def demos(rng: random.Random) -> dict:
-    """One supervised episode: the coloured button clicked on half of the screens, a grey one otherwise."""
-    meta = tasks(rng.randrange(10**9), 0)["metadata"]
-    messages = [{"role": "user", "content": _shows(screen(meta["targets"][0], meta["colours"][0]), ASK)}]
-    for k, target in enumerate(meta["targets"]):
-        button = target if rng.random() < 0.5 else rng.choice([b for b in range(1, 10) if b != target])
-        call = {"type": "function", "function": {"name": "click", "arguments": {"button": str(button)}}}
+    """One supervised episode: the right colour typed on RIGHT of the screens, another one otherwise."""
+    colours = tasks(rng.randrange(10**9), 0)["metadata"]["colours"]
+    messages = [{"role": "user", "content": _shows(screen(colours[0], 0), ASK)}]
+    for k, colour in enumerate(colours):
+        text = colour if rng.random() < RIGHT else rng.choice([c for c in sorted(COLOURS) if c != colour])
+        call = {"type": "function", "function": {"name": "type", "arguments": {"text": text}}}
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         if k + 1 < SCREENS:
-            nxt = screen(meta["targets"][k + 1], meta["colours"][k + 1])
-            messages.append({"role": "tool", "content": _shows(nxt, "clicked" if button == target else "missed")})
-    return {"messages": messages, "tools": [click.schema]}
+            answer = "accepted" if text == colour else "rejected"
+            messages.append({"role": "tool", "content": _shows(screen(colours[k + 1], k + 1), answer)})
+    return {"messages": messages, "tools": [type.schema]}
