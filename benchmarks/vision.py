@@ -1,6 +1,6 @@
 """Images in, text out on CPU: what RL adds to a warm-started tiny Qwen2.5-VL, and what the images cost.
 
-    python benchmarks/vision.py [--steps 100] [--seeds 0 1 2]
+    python benchmarks/vision.py [--steps 100] [--seeds 0 1 2] [--only shapes|gui]
 
 1. Per seed: the recipe of examples/vision/shapes_tiny.toml (a tiny Qwen2.5-VL warm-started on "which
    colour is the largest shape?" by a teacher that names the smaller shape's colour in 60% of its
@@ -10,6 +10,9 @@
    blue square"), a text-only Qwen2 of the same language model (128 wide, 2 layers) warm-started by the
    same teacher, the same RL run: samples/s of the run, bytes per step on the samples channel, and the
    trainer's peak memory over two steps on one of each run's batches (a fresh process each).
+3. The GUI agent (examples/agents/gui_tiny.toml: a form on a rendered screen, a new picture every turn):
+   per seed, its warm start then 60 RL steps; the training reward over the first and last 20% of the
+   steps and the held-out greedy accuracy (both fields right) before and after.
 
 Writes benchmarks/results/vision.{json,md}.
 """
@@ -32,6 +35,7 @@ from asyncrl.vision import shapes
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
 RECIPE = ROOT / "examples" / "vision" / "shapes_tiny.toml"
+GUI = ROOT / "examples" / "agents" / "gui_tiny.toml"
 SIZES = {0: "small", 1: "large"}
 
 
@@ -82,6 +86,23 @@ def run(kind: str, seed: int, steps: int) -> dict:
     return row
 
 
+def gui(seed: int) -> dict:
+    from asyncrl.run.preflight import check_inputs
+
+    cfg = load_config(GUI, overrides=[
+        "--model.path", str(OUT / "models" / f"gui-s{seed}"), "--warmstart.seed", str(seed),
+        "--run.seed", str(seed), "--run.root", str(OUT / "runs"), "--run.name", f"gui-s{seed}",
+        "--run.overwrite", "true"])
+    cfg = check_inputs(cfg, log=lambda *a, **k: None)  # (builds the policy: the recipe's own)
+    summary = json.loads((train(cfg, log=lambda *a, **k: None) / "summary.json").read_text())
+    row = {"seed": seed, "steps": cfg.run.steps, "reward_first": summary["reward_first_20pct"],
+           "reward_last": summary["reward_last_20pct"], "start": summary["eval_accuracy_start"],
+           "final": summary["eval_accuracy_final"]}
+    print(f"  gui seed {seed}: reward {row['reward_first']:.3f} -> {row['reward_last']:.3f}, held-out "
+          f"{row['start']:.3f} -> {row['final']:.3f}", flush=True)
+    return row
+
+
 def memory(row: dict) -> int:
     """Peak resident bytes of a fresh process training two steps on the run's first batch."""
     out = subprocess.run([sys.executable, __file__, "--one-step", row["run_dir"]], capture_output=True,
@@ -114,8 +135,20 @@ def one_step(run_dir: str) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Vision-language RL on CPU (benchmarks/vision.py)", "",
-             f"{result['steps']} RL steps of 16 prompts x 8 samples, η = 1, after the warm start; held-out "
+    lines = ["# Vision-language RL on CPU (benchmarks/vision.py)", ""]
+    if result.get("runs"):
+        lines += _shapes_lines(result)
+    if result.get("gui"):
+        lines += ["", "GUI agent (examples/agents/gui_tiny.toml), 60 RL steps after its warm start:", "",
+                  "| seed | reward, first 20% of steps | last 20% | held-out, start | final |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {g['seed']} | {g['reward_first']:.3f} | {g['reward_last']:.3f} | {g['start']:.3f} | "
+                  f"{g['final']:.3f} |" for g in result["gui"]]
+    return "\n".join(lines) + "\n"
+
+
+def _shapes_lines(result: dict) -> list[str]:
+    lines = [f"{result['steps']} RL steps of 16 prompts x 8 samples, η = 1, after the warm start; held-out "
              "greedy accuracy on 200 pictures never trained on.", "",
              "| policy | seed | params | prompt tokens | after warm start | after RL | RL adds | samples/s "
              "| batch bytes/step | trainer peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -127,27 +160,34 @@ def markdown(result: dict) -> str:
                      f"{accuracy} | {r['samples_per_s']:.0f} | {r['batch_bytes_per_step'] / 1e3:.0f} kB | "
                      f"{rss} |")
     vision = [r for r in result["runs"] if r["kind"] == "vision"]
-    lines += ["", f"RL adds >= 10 points on every seed: {all(r['gain'] >= 0.10 for r in vision)}. The text "
-              "row is for cost only: told in words, the task has 24 distinct items (two colours, which is "
-              "larger), so no held-out set.",
-              f"Images stored per run: {vision[0]['images_stored']} files, "
-              f"{vision[0]['image_bytes_stored'] / 1e3:.0f} kB on disk (once each, by hash)."]
-    return "\n".join(lines) + "\n"
+    return lines + [
+        "", f"RL adds >= 10 points on every seed: {all(r['gain'] >= 0.10 for r in vision)}. The text row is "
+        "for cost only: told in words, the task has 24 distinct items (two colours, which is larger), so no "
+        "held-out set.",
+        f"Images stored per run: {vision[0]['images_stored']} files, "
+        f"{vision[0]['image_bytes_stored'] / 1e3:.0f} kB on disk (once each, by hash)."]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--only", choices=["shapes", "gui"])
     parser.add_argument("--one-step")
     args = parser.parse_args()
     if args.one_step:
         return one_step(args.one_step)
-    runs = [run("vision", seed, args.steps) for seed in args.seeds] + [run("text", args.seeds[0], args.steps)]
-    for kind in ("vision", "text"):
-        row = next(r for r in runs if r["kind"] == kind)
-        row["peak_rss"] = memory(row)
-    result = {"steps": args.steps, "runs": runs}
+    old = json.loads((OUT / "vision.json").read_text()) if (OUT / "vision.json").exists() else {}
+    result = {"steps": args.steps, "runs": old.get("runs", []), "gui": old.get("gui", [])}
+    if args.only != "gui":
+        runs = [run("vision", seed, args.steps) for seed in args.seeds]
+        runs.append(run("text", args.seeds[0], args.steps))
+        for kind in ("vision", "text"):
+            row = next(r for r in runs if r["kind"] == kind)
+            row["peak_rss"] = memory(row)
+        result["runs"] = runs
+    if args.only != "shapes":
+        result["gui"] = [gui(seed) for seed in args.seeds]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "vision.json").write_text(json.dumps(result, indent=2))
     (OUT / "vision.md").write_text(markdown(result))
