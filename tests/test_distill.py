@@ -20,7 +20,11 @@ from asyncrl.run.preflight import check_teacher
 from asyncrl.store.ledger import audit
 
 # The student's held-out accuracy, 100 items, with `opd` from the teacher, over 24 steps: a gain of
-# 0.17-0.21 in 6 runs (mean 0.19, sd 0.02: the 0.08 asserted is 5 sd below); the teacher itself is at 0.52.
+# 0.23-0.28 in 4 runs, 2 of them two at a time (mean 0.25, sd 0.02: the 0.08 asserted is 7 sd below); the
+# teacher itself is at 0.52. With noise of 1.0 × std the student started at 0.39 (the tiny policy it is made
+# from had changed since this was measured), 0.13 below the teacher: gains of 0.12-0.13 alone, 0.06 in a
+# full suite run (a red CI from noise).
+NOISE = 1.2  # × each matrix's std: the student at 0.24 held out
 RUN = {"run.steps": 24, "rollout.prompts_per_step": 8, "rollout.group_size": 4, "task.eval_size": 100,
        "task.eval_every": 12, "trainer.lr": 1e-4, "trainer.warmup_steps": 2, "objective.name": "opd"}
 
@@ -34,7 +38,7 @@ def weak_student(tiny_model, tmp_path_factory) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * p.std())
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * NOISE)
     out = tmp_path_factory.mktemp("student") / "weak"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
