@@ -82,7 +82,8 @@ class Engine:
         # a cached prefix would have none, so its later turns prefill again
         self.routers = routing.routers(model)
         self.prefixes = PrefixCache(0 if self.routers else prefix_cache_tokens)
-        self.placeholders = vision.placeholders(model.config)  # (image tokens: never sampled)
+        placeholders = vision.placeholders(model.config)  # (image tokens: never sampled)
+        self.placeholders = torch.tensor(placeholders, device=self.device) if placeholders else None
         # seconds per decode step against its rows, per prefill against its tokens: the rate model
         # `asyncrl plan` calibrates from (asyncrl/plan/calibrate.py)
         self.decode_fit, self.prefill_fit = LinearFit(), LinearFit()
@@ -132,8 +133,8 @@ class Engine:
 
     def _decode(self) -> None:
         """Sample a token for every running row, retire the finished ones, feed the rest."""
-        logits = self.logits.index_fill(1, torch.tensor(self.placeholders, device=self.device), -torch.inf) \
-            if self.placeholders else self.logits
+        logits = self.logits if self.placeholders is None else \
+            self.logits.index_fill(1, self.placeholders, -torch.inf)
         tokens, logprobs = sample_rows(logits, self.temps, self.top_ps, self.generator)
         live = sampled = 0
         for row, (seq, tok, lp, v) in enumerate(
@@ -269,8 +270,8 @@ class Engine:
         ids, mask = ids.to(self.device), mask.to(self.device)  # (built here, moved once)
         self.tokens_prefilled += sum(len(t) for t, _ in distinct)
         if any(digests for _, digests in distinct):  # M-RoPE: 3-D positions, image features as embeddings
-            shown = [images[keys.index(key)] for key in distinct]
-            given = vision.inputs(self.model, ids, mask, shown)
+            pictures_of = dict(zip(keys, images))
+            given = vision.inputs(self.model, ids, mask, [pictures_of[key] for key in distinct])
             positions = given["position_ids"].amax(0)  # (decoding goes on from the largest: text's)
         else:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
