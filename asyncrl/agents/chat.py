@@ -21,6 +21,7 @@ from asyncrl.agents.episode import Episode, EpisodeAborted
 from asyncrl.agents.tool_calls import PARSERS
 from asyncrl.agents.tools import parse_arguments
 from asyncrl.inference.client import InferenceUnavailable
+from asyncrl.vision.images import BadImage
 
 
 class ChatFormatError(ValueError):
@@ -134,8 +135,10 @@ class PolicySession:
             self.renderer.encode(self.renderer.text(messages, tools, True))
         shown = [url for m in messages for url in m.get("images", ())][len(self.episode.images):]
         if shown:  # (the new messages' images: widened in the ids, stored, shown with every later turn)
-            new_ids, hashes = self.images.widen(new_ids, shown)
-            self.pending_images = hashes
+            try:
+                new_ids, self.pending_images = self.images.widen(new_ids, shown)
+            except BadImage as e:  # (the agent's request is wrong, as a malformed message is)
+                raise ChatFormatError(str(e)) from None
         choice = await self._sample(new_ids, max_tokens)
         content = self.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
         calls: list[dict] = []

@@ -57,7 +57,9 @@ def image_bytes(ref, base: Path | None = None) -> bytes:
     else:
         raise BadImage("an image must be a file path, a data URI, bytes or a PIL image, "
                        f"got {type(ref).__name__}")
-    check(data, ref if isinstance(ref, str) and not ref.startswith("data:") else "the image")
+    named = f"image file {ref!r}" if isinstance(ref, str) and not ref.startswith("data:") else \
+        "an image data URI" if isinstance(ref, str) else "image bytes"
+    check(data, named)
     return data
 
 
