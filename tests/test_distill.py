@@ -20,7 +20,7 @@ from asyncrl.run.preflight import check_teacher
 from asyncrl.store.ledger import audit
 
 # The student's held-out accuracy, 100 items, with `opd` from the teacher, over 24 steps: a gain of
-# 0.23-0.28 in 4 runs, 2 of them two at a time (mean 0.25, sd 0.02: the 0.08 asserted is 7 sd below); the
+# 0.23-0.28 in 5 runs, 3 of them under load (mean 0.25, sd 0.02: the 0.08 asserted is 8 sd below); the
 # teacher itself is at 0.52. With noise of 1.0 × std the student started at 0.39 (the tiny policy it is made
 # from had changed since this was measured), 0.13 below the teacher: gains of 0.12-0.13 alone, 0.06 in a
 # full suite run (a red CI from noise).

@@ -114,7 +114,6 @@ class PolicySession:
         self.history: list[dict] = []  # the conversation so far, ending with the policy's last reply
         self.text = ""                 # a completions episode: prompt + completion so far
         self.last_sampled: list[int] = []
-        self.pending_images: list[str] = []  # the images of the turn being sampled
         self.turn = asyncio.Lock()  # one call at a time: two at once would interleave their tokens
 
     # --- chat -------------------------------------------------------------------------------
@@ -134,12 +133,13 @@ class PolicySession:
         new_ids = self._extension(messages, tools) if self.history else \
             self.renderer.encode(self.renderer.text(messages, tools, True))
         shown = [url for m in messages for url in m.get("images", ())][len(self.episode.images):]
+        new_images: list[str] = []
         if shown:  # (the new messages' images: widened in the ids, stored, shown with every later turn)
             try:
-                new_ids, self.pending_images = self.images.widen(new_ids, shown)
+                new_ids, new_images = self.images.widen(new_ids, shown)
             except BadImage as e:  # (the agent's request is wrong, as a malformed message is)
                 raise ChatFormatError(str(e)) from None
-        choice = await self._sample(new_ids, max_tokens)
+        choice = await self._sample(new_ids, max_tokens, new_images)
         content = self.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
         calls: list[dict] = []
         if tools:
@@ -221,11 +221,12 @@ class PolicySession:
         return choice
 
     # --- the engine -------------------------------------------------------------------------
-    async def _sample(self, new_ids: list[int], max_tokens: int | None) -> dict:
+    async def _sample(self, new_ids: list[int], max_tokens: int | None, new_images: list[str] = ()) -> dict:
+        """`new_images`: the hashes of the images `new_ids` shows (a vision-language policy's)."""
         episode = self.episode
         budget = episode.start_turn(max_tokens, len(new_ids))
         try:
-            shown = episode.images + self.pending_images
+            shown = episode.images + list(new_images)
             [choice] = await self.client.complete(
                 [episode.tokens + new_ids],
                 1,
@@ -243,7 +244,7 @@ class PolicySession:
         if choice["finish_reason"] == "abort":
             raise EpisodeAborted("the inference server aborted this turn (a weight update)")
         episode.add_context(new_ids)  # only now: a failed call leaves the record as it was
-        episode.images, self.pending_images = episode.images + self.pending_images, []
+        episode.images = shown
         episode.add_sampled(choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["versions"])
         episode.finish_reason = choice["finish_reason"]
         episode.routing = choice.get("routing")
