@@ -8,6 +8,9 @@
     asyncrl export RUN_DIR OUT_DIR [--step N]                a checkpoint as a plain HF model directory
     asyncrl ctl RUN_DIR status | set KEY VALUE | eval | checkpoint | stop | dashboard
                                                              steer a running job (docs/control.md)
+    asyncrl worker --join URL --token T [--dir DIR] [--device cpu] [--threads N] [--max-bytes-per-second B]
+                                                             an inference worker joining a run from here
+                                                             (docs/untrusted.md)
     asyncrl plan --calibrate RUN_DIR | [CONFIG.toml] --rates RATES.json [--devices N] ...
                                                              predict a layout's run (docs/planner.md)
 """
@@ -66,7 +69,7 @@ def _save_traceback() -> str:
 
 def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = ("train", "warmstart", "report", "export", "ctl", "plan")
+    commands = ("train", "warmstart", "report", "export", "ctl", "plan", "worker")
     if not args or args[0] not in commands or args[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
         return 0 if args and args[0] in ("-h", "--help") else 2
@@ -85,6 +88,10 @@ def _main(argv: list[str] | None) -> int:
             from asyncrl.plan.cli import main as plan
 
             return plan(rest, _take)
+        if command == "worker":
+            from asyncrl.swarm.join import main as worker
+
+            return worker(rest, _take)
         if command == "ctl":
             from asyncrl.control import ctl
 

@@ -30,6 +30,8 @@ role uses. Users and tools may rely on these names; `python -m asyncrl.rundir` p
 | `weight_sender.json` | trainer | the NCCL broadcast's address (inference.weight_transfer = "nccl") |
 | `control.json` | orchestrator | the control API's address while the orchestrator runs |
 | `paused.json` | orchestrator | whether the run is paused, and since when |
+| `gateway.json` | orchestrator | the joined workers' gateway address while the orchestrator runs |
+| `quarantine.json` | orchestrator | quarantined workers, their samples a recompute verified |
 | `failure.json` | a failing role | the sentence a FatalError stopped the run with |
 | `summary.json` | launcher | the end-of-run summary and the ledger's audit |
 | `report.md`, `report.png` | launcher | the end-of-run report: a table and the curves |
@@ -230,6 +232,14 @@ class RunDir:
     @property
     def paused(self) -> Path:
         return self._at("paused.json")
+
+    @property
+    def gateway(self) -> Path:
+        return self._at("gateway.json")
+
+    @property
+    def quarantine(self) -> Path:
+        return self._at("quarantine.json")
 
     @property
     def failure(self) -> Path:

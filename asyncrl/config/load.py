@@ -27,6 +27,7 @@ from asyncrl.config.sections import (
     TimeoutConfig,
     TrainerConfig,
 )
+from asyncrl.config.workers import WorkersConfig
 from asyncrl.errors import ConfigError
 from asyncrl.files import write_atomic
 from asyncrl.plugins import read_user_text
@@ -45,6 +46,7 @@ class Config(Section):
     inference: InferenceConfig = InferenceConfig()
     teacher: TeacherConfig = TeacherConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    workers: WorkersConfig = WorkersConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -89,6 +91,7 @@ class Config(Section):
             raise ValueError("inference.engine = 'vllm' with run.launcher = 'ray' is not supported yet (vLLM "
                              "replicas run under the local launcher; docs/distributed.md)")
         _check_teacher(self)
+        _check_workers(self)
         rows = ro.prompts_per_step * ro.group_size
         if rows < self.trainer.ranks * self.trainer.minibatches:
             raise ValueError(
@@ -137,6 +140,18 @@ class Config(Section):
             return asked
         cores = os.cpu_count() or 1
         return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
+
+
+def _check_workers(cfg) -> None:
+    """What joined workers' samples cannot carry yet, refused before anything starts (docs/untrusted.md)."""
+    w = cfg.workers
+    unmet = [why for why, on in (
+        ("LoRA versions (trainer.lora.rank): the recompute holds whole weights", cfg.trainer.lora.rank),
+        ("routing replay: a worker's expert choices would be replayed unchecked", cfg.trainer.routing_replay),
+        ("run.launcher = 'ray' with run.storage: the recompute reads versions from the run directory",
+         cfg.run.launcher == "ray" and cfg.run.storage)) if on]
+    if w.enabled and unmet:
+        raise ValueError(f"workers.enabled does not take {unmet[0]}")
 
 
 # the objectives that train on a teacher's logprobs (asyncrl/objectives/opd*.py, rl_opd.py)

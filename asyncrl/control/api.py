@@ -9,6 +9,9 @@
     POST /checkpoint        the trainer checkpoints after the next batch scheduled (recorded like a change)
     POST /stop              the run ends after the next batch scheduled: run.steps = its step + 1
     POST /pause, /resume    no new rollouts / rollouts again (asyncrl/control/pausing.py)
+    GET  /workers           joined workers (asyncrl/swarm/): state, trust, counts
+    POST /workers/add {name}, /workers/revoke {name}
+                            a worker's token (shown once), or its token revoked and its work reissued
     GET  /                  the dashboard page (asyncrl/observe/dashboard.py)
 
 The orchestrator serves it (it owns the ledger and the step boundaries); its address is in
@@ -115,10 +118,25 @@ def make_app(orch) -> web.Application:
         orch.evals.append(asyncio.create_task(orch.evaluate()))
         return web.json_response({"version": orch.router.version})
 
+    async def workers(request: web.Request) -> web.Response:
+        if orch.swarm is None:
+            return _error(409, "this run takes no joined workers (workers.enabled = false)")
+        if request.method == "GET":
+            return web.json_response({"workers": orch.swarm.listing(), "leases": orch.swarm.roster.leases()})
+        try:
+            name = (await request.json())["name"]
+            if request.match_info["action"] == "add":
+                return web.json_response({"name": name, "token": orch.swarm.add(name)})
+            orch.swarm.revoke(name)
+            return web.json_response({"name": name, "revoked": True})
+        except (ValueError, KeyError, TypeError) as e:  # (RosterError is a ValueError)
+            return _error(400, str(e) if isinstance(e, ValueError) else "the body must be {\"name\": ...}")
+
     app = web.Application(middlewares=[check])
     app.add_routes([web.get("/status", status), web.post("/set", set_setting), web.post("/eval", evaluate),
                     web.post("/stop", stop), web.post("/checkpoint", checkpoint_now),
-                    web.post("/pause", pause), web.post("/resume", resume),
+                    web.post("/pause", pause), web.post("/resume", resume), web.get("/workers", workers),
+                    web.post("/workers/{action:add|revoke}", workers),
                     *dashboard.routes(orch, token)])
     return app
 

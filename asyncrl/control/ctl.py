@@ -8,6 +8,9 @@
     asyncrl ctl RUN_DIR stop                the run ends after the next batch (final checkpoint, report)
     asyncrl ctl RUN_DIR pause | resume      no new rollouts (those generating are trained) / go on
     asyncrl ctl RUN_DIR dashboard           the address of the run's page, token included (keep it private)
+    asyncrl ctl RUN_DIR workers [add NAME | revoke NAME]
+                                            joined workers: list them, add one (its token is
+                                            shown once), revoke one
 """
 from __future__ import annotations
 
@@ -77,15 +80,20 @@ def _alive(pid) -> bool:
     return True
 
 
-COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard")
+COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard", "workers")
 
 
 def main(args: list[str]) -> int:
-    if len(args) < 2 or args[1] not in COMMANDS or (args[1] == "set") != (len(args) == 4) or len(args) > 4:
+    workers = len(args) in (2, 4) and args[1:2] == ["workers"] and args[2:3] in ([], ["add"], ["revoke"])
+    if len(args) < 2 or args[1] not in COMMANDS or (args[1] == "set") != (len(args) == 4) and not workers \
+            or len(args) > 4 or (args[1] == "workers" and not workers):
         usage = " | ".join(COMMANDS).replace("set", "set KEY VALUE")
+        usage = usage.replace("workers", "workers [add|revoke NAME]")
         raise ConfigError(f"usage: asyncrl ctl RUN_DIR {usage}")
     run_dir, command = args[0], args[1]
-    if command == "status":
+    if command == "workers":
+        print(_workers(run_dir, args[2:]))
+    elif command == "status":
         print(describe(request(run_dir, "GET", "/status")))
     elif command == "dashboard":
         request(run_dir, "GET", "/status")  # (it answers: the address is live)
@@ -105,6 +113,32 @@ def main(args: list[str]) -> int:
         print(f"{what}: recorded (change {answer['id']}), in force from the next batch assembled "
               f"(step {answer['from_step']})")
     return 0
+
+
+def _workers(run_dir: str | Path, action: list[str]) -> str:
+    if action:
+        answer = request(run_dir, "POST", f"/workers/{action[0]}", {"name": action[1]})
+        if action[0] == "revoke":
+            return f"worker {answer['name']}: revoked (its work is issued again to others)"
+        return (f"worker {answer['name']}: token {answer['token']}\n(shown once) the worker joins with:"
+                f" asyncrl worker --join {_gateway(run_dir)} --token {answer['token']}")
+    answer = request(run_dir, "GET", "/workers")
+    lines = [f"{w['name']}: " + ("revoked" if w["revoked"] else "quarantined" if w["quarantined"] else
+                                 "polling" if w["polling"] else "silent")
+             + f", trust {w['trust']}, version {w['version']}, {w['checked']} recomputed "
+               f"({w['failed']} failed), {w['rejected']} refused"
+             + (f": {w['reason']}" if w["reason"] else "")
+             for w in answer["workers"]]
+    leases = ", ".join(f"{n} {state}" for state, n in sorted(answer["leases"].items()))
+    lines = lines or ["no workers yet (asyncrl ctl RUN workers add NAME)"]
+    return "\n".join(lines) + f"\nleases: {leases or 'none'}"
+
+
+def _gateway(run_dir: str | Path) -> str:
+    try:
+        return json.loads(RunDir(run_dir).gateway.read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        return "URL"
 
 
 def describe(status: dict) -> str:

@@ -78,7 +78,7 @@ class Evaluator:
         parts = await asyncio.gather(*(self.router.call(
             lambda client, i=i: client.complete(prompts[i:i + EVAL_CHUNK], 1, max_tokens, temperature=0.0,
                                                 images=shown[i:i + EVAL_CHUNK], image_bytes=reader),
-            "an evaluation", len(prompts[i:i + EVAL_CHUNK])) for i in starts))
+            "an evaluation", len(prompts[i:i + EVAL_CHUNK]), trusted=True) for i in starts))
         choices = [c for part in parts for c in part]
         results = await self.verifiers.score_many([(c["text"], e) for c, e in zip(choices, entries)],
                                                   self.cfg.timeouts.verifier)
@@ -92,7 +92,7 @@ class Evaluator:
         """(reward per item, versions that sampled) of one greedy episode per item; a failed one scores 0."""
         outcomes = await all_or_none(self.router.call(
             lambda client, i=i, e=e: self.agents.episode(e, f"eval-{i}", client, priority=-1, greedy=True),
-            "an evaluation") for i, e in enumerate(entries))
+            "an evaluation", trusted=True) for i, e in enumerate(entries))
         versions = [o.episode.versions for o in outcomes]
         return ([o.reward if o.failure is None else 0.0 for o in outcomes],
                 [min(v for v in vs if v >= 0) for vs in versions if any(v >= 0 for v in vs)])

@@ -35,7 +35,7 @@ from asyncrl.inference.client import InferenceUnavailable
 from asyncrl.observe.events import EventLog
 from asyncrl.observe.profile import Phases
 from asyncrl.observe.sinks import Sinks
-from asyncrl.orchestrator import staleness, waves
+from asyncrl.orchestrator import staleness, waves, workers
 from asyncrl.orchestrator.advantages import advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
 from asyncrl.orchestrator.evaluation import Evaluator
@@ -87,6 +87,7 @@ class Orchestrator:
         self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents,
                                     self.images) if eval_tasks else None)
         self.teacher = Teacher(cfg, run_dir, tokenizer, self.events) if cfg.teacher.enabled else None
+        self.swarm = workers.swarm(self) if cfg.workers.enabled else None  # joined workers: asyncrl/swarm/
         restore(self)
 
     async def _connect_trainer(self) -> None:
@@ -184,7 +185,8 @@ class Orchestrator:
         try:
             if choices is None:
                 generate = lambda client: rollout_agent_group(self.agents, client, entry, index, cfg)  # noqa: E731
-                group, dropped = await self.router.call(generate, f"prompt {index}", cfg.rollout.group_size)
+                group, dropped = await self.router.call(generate, f"prompt {index}", cfg.rollout.group_size,
+                                                        trusted=True)  # (provenance: asyncrl/swarm/)
             else:
                 group, dropped = await score_group(self.verifiers, entry, prompt, index, *await choices, cfg)
             if self.teacher and group:  # (on record, and so in a batch, only once scored: teacher.py)
@@ -214,6 +216,8 @@ class Orchestrator:
     def _finished(self, group: list[Trajectory]) -> None:
         """Into the pool batches are packed from, the oldest first (a group's prompt breaks ties: the same
         order after a restart)."""
+        if self.swarm and self.swarm.refuses(group):  # (its worker was quarantined while it was scored)
+            return workers.drop(self, group)
         staleness.offer(self.ready, min(t.oldest_version for t in group), group[0].prompt_id, group)
 
     # --- assemble -----------------------------------------------------------------------
@@ -275,6 +279,7 @@ class Orchestrator:
             stats = {**await self.router.stats(), "teacher": teacher}
             record = step_record(self, version, marker, stats)
             self.ledger.record_step(version, record)
+            workers.record_masked(self, version, marker)
             await self._notify()
             self.serve_seconds += time.monotonic() - seen  # (until admission hears of it: asyncrl plan)
             self._write_metrics(record)
@@ -338,7 +343,7 @@ class Orchestrator:
             proxy, self.agents.proxy_url = await start_proxy(self.agents.sessions, self.cfg.model.path)
             self.events.write("proxy_started", url=self.agents.proxy_url)
         follow = asyncio.create_task(self.follow())
-        api = await control.serve(self)
+        api, gateway = await control.serve(self), await workers.open_gateway(self)
         try:
             done, _ = await asyncio.wait([follow, *loops], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -350,6 +355,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await control.close(api, self.run_dir)
+            await workers.close_gateway(self, gateway)
             self.sinks.close()
             if proxy is not None:
                 await self.agents.close()

@@ -156,42 +156,43 @@ class Router:
             f"{self.cfg.timeouts.train_step:.0f}s (timeouts.train_step)")
         await self._load_one(r, self.version, marker, patch=False)
 
-    def _unroute(self, r: Replica, error: Exception, what: str) -> None:
+    def unroute(self, r: Replica, error: Exception, what: str) -> None:
         if r.routed:
             r.routed, r.left_at = False, time.monotonic()
             self.events.write("replica_unrouted", replica=r.index, what=what, error=str(error))
 
-    async def _wait_routed(self, deadline: float, what: str) -> None:
+    async def _wait_routed(self, deadline: float, what: str, trusted: bool = False) -> None:
         try:
             async with self.changed:
-                await asyncio.wait_for(self.changed.wait_for(self.routed), deadline)
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.routed(trusted)), deadline)
         except asyncio.TimeoutError:
             raise InferenceUnavailable(
                 f"no inference replica in routing for {deadline:.0f}s (timeouts.startup) while waiting for "
                 f"{what}; replicas: {self.describe()}") from None
 
-    def routed(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.routed]
+    def routed(self, trusted: bool = False) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routed and not (trusted and "worker" in r.info)]
 
     def describe(self) -> str:
         return ", ".join(f"{r.index} {'routed' if r.routed else 'out'} ({r.info['url']})"
                          for r in self.replicas.values()) or "none has started"
 
     # --- generation ----------------------------------------------------------------------
-    async def call(self, work, what: str, sequences: int = 1):
-        """`await work(client)` on the least-loaded replica; if that replica goes away, on another."""
+    async def call(self, work, what: str, sequences: int = 1, trusted: bool = False):
+        """`await work(client)` on the least-loaded replica; if that replica goes away, on another.
+        `trusted`: on the run's own replicas only, not on joined workers (asyncrl/swarm/)."""
         for attempt in range(ATTEMPTS):
             if self.broken:
                 raise self.broken
-            if not self.routed():
-                await self._wait_routed(self.cfg.timeouts.startup, what)
-            r = min(self.routed(), key=lambda r: (r.in_flight, r.index))
+            if not self.routed(trusted):
+                await self._wait_routed(self.cfg.timeouts.startup, what, trusted)
+            r = min(self.routed(trusted), key=lambda r: (r.in_flight, r.index))
             r.in_flight += sequences
             r.sequences += sequences
             try:
                 return await work(r.client)
             except InferenceUnavailable as e:
-                self._unroute(r, e, what)
+                self.unroute(r, e, what)
                 if attempt + 1 == ATTEMPTS:
                     raise
                 self.events.write("inference_unreachable", what=what, replica=r.index, error=str(e))
@@ -208,7 +209,7 @@ class Router:
         answered = []
         for r, result in zip(replicas, results):
             if isinstance(result, InferenceError):
-                self._unroute(r, result, what)
+                self.unroute(r, result, what)
             elif isinstance(result, BaseException):
                 raise result
             else:

@@ -33,7 +33,8 @@ async def score_group(verifiers: VerifierPool, entry: dict, prompt: list[int], i
     for k, choice in enumerate(choices):
         sample_id = f"{index}-{k}"
         if choice["finish_reason"] == "abort":  # cut short by /abort or a failed step: not a sample
-            dropped.append({"id": sample_id, "reason": "aborted", "prompt_id": index,
+            why = "refused" if choice.get("refused") else "aborted"  # (refused: a joined worker's, swarm/)
+            dropped.append({"id": sample_id, "reason": why, "prompt_id": index,
                             "error": choice.get("error") or "aborted by the inference server (/abort)"})
             continue
         reward, error = next(scores)
@@ -53,7 +54,8 @@ async def score_group(verifiers: VerifierPool, entry: dict, prompt: list[int], i
             reward=reward,
             info={"finish_reason": choice["finish_reason"], "completion": choice["text"],
                   "answer": entry["answer"], "generate_seconds": seconds,
-                  "temperature": ro.temperature},
+                  "temperature": ro.temperature,
+                  **{k: choice[k] for k in ("worker", "check") if k in choice}},
         ))
     return scored, dropped
 

@@ -83,7 +83,9 @@ async def generate(router, prompts: dict[int, list[int]], delivered: dict[int, a
             raise InferenceError(f"inference server {client.url} ended its stream without prompts {missing}")
 
     try:
-        await router.call(work, f"prompts {min(prompts)}..{max(prompts)}", ro.group_size * len(prompts))
+        shows = bool(images and any(images.get(i) for i in prompts))  # (joined workers take text: swarm/)
+        await router.call(work, f"prompts {min(prompts)}..{max(prompts)}", ro.group_size * len(prompts),
+                          trusted=shows)
     except Exception as e:  # (each group's task hears of it, and fails the run as a group does)
         for future in delivered.values():
             if not future.done():

@@ -120,6 +120,8 @@ class VerifierPool:
         item (the per-item round trips were a tenth of the orchestrator's CPU); to one worker in one
         chunk when the verifier has proven cheap, since splitting then costs the orchestrator more
         round trips than it saves in scoring time (other groups keep the other workers busy)."""
+        if not items:  # (a group whose every sample was cut short or refused)
+            return []
         seconds_per_item = self.cpu_seconds / max(self.items_scored, 1)
         cheap = self.items_scored >= len(items) and seconds_per_item * len(items) < SPLIT_ABOVE_SECONDS
         size = len(items) if cheap else max(1, -(-len(items) // self.workers))

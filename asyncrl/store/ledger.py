@@ -151,6 +151,10 @@ class Ledger:
             ]
         )
 
+    def note(self, sample_ids: list[str], reason: str) -> None:
+        """A reason on batched samples, their state unchanged (e.g. the trainer masked them)."""
+        self._tx([("UPDATE samples SET reason = ? WHERE id = ?", (reason, i)) for i in sample_ids])
+
     def batch(self, step: int, trajs: list[Trajectory], stats: dict) -> str:
         """Batch `step` is these samples, in this order; returns its digest."""
         digest = batch_digest([t.id for t in trajs])

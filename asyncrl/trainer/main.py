@@ -33,6 +33,7 @@ from asyncrl.run.role import FatalError, run_role
 from asyncrl.rundir import CheckpointFiles, RunDir
 from asyncrl.store import checkpoint
 from asyncrl.store.ledger import batch_digest
+from asyncrl.swarm import quarantine
 from asyncrl.trainer.ranks import Ranks, join_group
 from asyncrl.trainer.step import train_step, warm_up
 from asyncrl.trajectory import read_batch, read_header
@@ -254,6 +255,7 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
             path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat) if leader else None
         with phases("read_batch"):
             batch = (read_batch(path), read_header(path)) if leader else None
+            masked = quarantine.mask(run_dir, batch[0]) if leader else []  # (asyncrl/swarm/quarantine.py)
             trajs, header = ranks.broadcast(batch)
         step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (control/live.py)
         steps = step_cfg.run.steps
@@ -264,6 +266,8 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
             metrics = train_step(model, optimizer, objective, trajs, step, step_cfg,
                                  setup.tokenizer.pad_token_id, setup.ref_model, phases, ranks, setup.pictures)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
+        if masked:
+            metrics["quarantined_samples"] = masked
         check_finite(model, step, metrics, ranks)
         scheduler.step()
         t2 = time.monotonic()

@@ -1,0 +1,211 @@
+"""The joined workers of a run: who may join, what they return, and when they are shut out.
+
+A worker's token names it (asyncrl/swarm/roster.py); on its first poll it becomes a replica of the router
+(index 1000 and up), routed once it holds the served version. Every group it returns passes the cheap
+checks (asyncrl/swarm/checks.py): a refused sample is dropped (reason "refused") and costs the worker
+trust. A random share of its accepted samples (by its trust: asyncrl/swarm/trust.py) is recomputed by
+the trusted model (asyncrl/swarm/recompute.py) while the samples go on to be scored; a recompute that
+disagrees costs trust. Below workers.quarantine_below the worker is quarantined: out of routing, its work
+issued again elsewhere, its groups still in the ready pool dropped, and its unverified samples in batches
+not yet trained masked by the trainer (asyncrl/swarm/quarantine.py). Events and the ledger say which
+and why.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+from pathlib import Path
+
+from asyncrl.orchestrator.replicas import Replica
+from asyncrl.swarm import quarantine
+from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group
+from asyncrl.swarm.recompute import TOLERANCE, Recomputer
+from asyncrl.swarm.remote import JoinedWorker
+from asyncrl.swarm.roster import Roster
+from asyncrl.swarm.trust import START, Trust
+
+FIRST_INDEX = 1000  # joined workers' replica indices (the run's own replicas count from 0)
+KEPT = ("token_ids", "logprobs", "versions", "finish_reason")  # what is read of a worker's sample
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Swarm:
+    def __init__(self, cfg, run_dir: Path, router, ledger, events, tokenizer):
+        self.cfg, self.run_dir, self.router, self.events = cfg.workers, run_dir, router, events
+        self.model_path, self.tokenizer = cfg.model.path, tokenizer
+        self.roster = Roster(ledger.db)
+        self.members: dict[str, JoinedWorker] = {}
+        self.seen = Seen()
+        self.recomputer = Recomputer(cfg.model.path, run_dir, keep=cfg.rollout.max_staleness + 4)
+        self.unchecked = 0  # samples drawn for a recompute that could not have one (reported sparingly)
+        self.tolerance = self.cfg.tolerance or TOLERANCE.get(cfg.inference.dtype, TOLERANCE["bfloat16"])
+        self.rng = random.Random(cfg.run.seed + 35)
+        self.epoch = secrets.token_hex(4)  # in every lease id: a lease from before a restart is known as such
+        self.verified: dict[str, set[str]] = {}  # by worker: its samples a recompute passed
+        self.checks: set[asyncio.Task] = set()
+        self.vocab_size = _vocab_size(cfg.model.path, tokenizer)
+        self.on_quarantine = lambda name: None  # the orchestrator drops the worker's ready groups
+
+    # --- membership ----------------------------------------------------------------------------
+    def member(self, token: str) -> JoinedWorker:
+        """The worker this token names, joining it to routing on first sight; Refused if it may not."""
+        record = self.roster.who(token)
+        if record is None:
+            raise Refused(401, "this worker token is not one of the run's (asyncrl ctl RUN workers list)")
+        for state in ("revoked", "quarantined"):
+            if record[state]:
+                raise Refused(403, f"worker {record['name']} is {state}" +
+                              (f": {record['reason']}" if record["reason"] else ""))
+        m = self.members.get(record["name"])
+        if m is None:
+            trust = Trust(record["trust"], record["checked"], record["failed"], record["rejected"])
+            m = self.members[record["name"]] = JoinedWorker(record["name"], self, trust)
+            index = FIRST_INDEX + len(self.members) - 1
+            self.router.replicas[index] = Replica(index, {"url": m.url, "worker": m.name}, m)
+            self.events.write("worker_joined", worker=m.name, replica=index, trust=round(trust.score, 3))
+        return m
+
+    def add(self, name: str) -> str:
+        return self.roster.add(name, START)
+
+    def revoke(self, name: str) -> None:
+        self.roster.revoke(name)
+        if name in self.members:
+            self._shut_out(self.members[name], "revoked")
+        self.events.write("worker_revoked", worker=name)
+
+    def listing(self) -> list[dict]:
+        listed = []
+        for w in self.roster.all():
+            m = self.members.get(w["name"])
+            listed.append({**w, "trust": round(m.trust.score if m else w["trust"], 3),
+                           "polling": bool(m and m.alive()), "version": m.held if m else None})
+        return listed
+
+    # --- what a worker returns -------------------------------------------------------------------
+    def deliver(self, m: JoinedWorker, lease_id, index, named: str, choices) -> dict:
+        """Prompt `index` of lease `lease_id`: its samples checked, then handed to the group's waiter."""
+        lease = m.leases.get(lease_id) if isinstance(lease_id, str) else None
+        if lease is None and isinstance(lease_id, str) and lease_id.startswith(f"{m.name}.") \
+                and not lease_id.startswith(f"{m.name}.{self.epoch}."):  # (its work was issued again)
+            raise Refused(410, f"lease {lease_id} was given before the orchestrator restarted: not taken")
+        if lease is None or type(index) is not int or not 0 <= index < len(lease.prompts) \
+                or index in lease.delivered:
+            self._cheap_failure(m, f"answered work it was not given (lease {lease_id!r}, prompt {index!r})")
+            raise Refused(409, f"lease {lease_id!r} prompt {index!r} is not work this worker holds")
+        p = lease.params
+        limits = Limits(self.vocab_size, p["max_tokens"], frozenset([self.tokenizer.eos_token_id,
+                                                                     *p["stop_token_ids"]]),
+                        lease.issued_version, max(self.router.version, m.wanted or 0))
+        try:
+            reasons = check_group(choices, p["n"], lease.digests[index], named, limits, self.seen)
+        except GroupRefused as e:
+            self._cheap_failure(m, str(e))
+            raise Refused(400, str(e)) from None
+        refused = {k: r for k, r in enumerate(reasons) if r}
+        if refused:
+            self._cheap_failure(m, next(iter(refused.values())), len(refused))
+        if m.shut_out:
+            raise Refused(403, f"worker {m.name} is {m.shut_out}")
+        lease.delivered.add(index)
+        out = [self._refused(m, r) if r else self._accepted(m, lease, index, c)
+               for c, r in zip(choices, reasons)]
+        lease.on_group(index, out)
+        if len(lease.delivered) == len(lease.prompts):
+            m.finish(lease)
+        return {"accepted": len(out) - len(refused), "refused": refused}
+
+    def _refused(self, m: JoinedWorker, reason: str) -> dict:
+        return {"finish_reason": "abort", "refused": True, "token_ids": [], "versions": [], "text": "",
+                "logprobs": {"token_logprobs": []}, "error": f"joined worker {m.name}: refused: {reason}"}
+
+    def _accepted(self, m: JoinedWorker, lease, index: int, c: dict) -> dict:
+        """The sample as the run takes it: its text decoded here (a worker's text is not read), its worker
+        named, and perhaps a recompute scheduled."""
+        c = {k: c[k] for k in KEPT}
+        c.update(text=self.tokenizer.decode(c["token_ids"], skip_special_tokens=True), worker=m.name)
+        m.tokens += len(c["token_ids"])
+        if c["finish_reason"] != "abort" and self.rng.random() < m.trust.fraction(self.cfg.verify_fraction):
+            c["check"] = f"{lease.id}.{index}.{len(lease.delivered)}.{self.rng.getrandbits(32):08x}"
+            task = asyncio.get_running_loop().create_task(
+                self._verify(m, c["check"], lease.prompts[index], c, lease.params["temperature"]))
+            self.checks.add(task)
+            task.add_done_callback(self.checks.discard)
+        return c
+
+    # --- verification and quarantine ---------------------------------------------------------------
+    async def _verify(self, m: JoinedWorker, check: str, prompt: list[int], c: dict, temperature: float):
+        verdict = await self.recomputer.check(prompt, c["token_ids"], c["logprobs"]["token_logprobs"],
+                                              c["versions"], temperature)
+        if verdict.error:
+            self.unchecked += 1
+            if self.unchecked in (1, 10) or self.unchecked % 100 == 0:  # (not an event per sample)
+                self.events.write("samples_unchecked", worker=m.name, samples=self.unchecked,
+                                  error=verdict.error)
+            return
+        if verdict.fails(self.tolerance):
+            m.trust.failed_recompute()
+            self.events.write("recompute_failed", worker=m.name, check=check, mean=round(verdict.mean, 5),
+                              most=round(verdict.most, 5), tolerance=self.tolerance,
+                              trust=round(m.trust.score, 3))
+        else:
+            m.trust.passed()
+            self.verified.setdefault(m.name, set()).add(check)
+        self._save(m)
+        if m.trust.out(self.cfg.quarantine_below) and not m.shut_out:
+            self.quarantine(m, f"{m.trust.failed} of {m.trust.checked} recomputed samples disagreed (mean "
+                               f"|Δ logprob| {verdict.mean:.4f}, tolerance {self.tolerance})")
+
+    def _cheap_failure(self, m: JoinedWorker, reason: str, samples: int = 1) -> None:
+        m.trust.failed_cheap(samples)
+        self.events.write("samples_refused", worker=m.name, samples=samples, reason=reason,
+                          trust=round(m.trust.score, 3))
+        self._save(m)
+        if m.trust.out(self.cfg.quarantine_below) and not m.shut_out:
+            self.quarantine(m, f"a cheap check failed: {reason}")
+
+    def _save(self, m: JoinedWorker) -> None:
+        t = m.trust
+        self.roster.save_trust(m.name, t.score, t.checked, t.failed, t.rejected)
+
+    def quarantine(self, m: JoinedWorker, reason: str) -> None:
+        self.roster.quarantine(m.name, reason)
+        quarantine.add(self.run_dir, m.name, reason, self.verified.get(m.name, set()))
+        self._shut_out(m, f"quarantined: {reason}")
+        self.events.write("worker_quarantined", worker=m.name, reason=reason, trust=round(m.trust.score, 3),
+                          checked=m.trust.checked, failed=m.trust.failed, rejected=m.trust.rejected)
+        self.on_quarantine(m.name)
+
+    def _shut_out(self, m: JoinedWorker, why: str) -> None:
+        m.drop_all(why)
+        for r in self.router.replicas.values():
+            if r.client is m:
+                self.router.unroute(r, RuntimeError(why), f"worker {m.name}")
+
+    def refuses(self, group) -> bool:
+        """Whether a finished group comes from a quarantined worker and is not all verified."""
+        worker = group[0].info.get("worker") if group else None
+        m = self.members.get(worker)
+        return bool(m and m.shut_out and m.shut_out.startswith("quarantined")
+                    and any(t.info.get("check") not in self.verified.get(worker, ()) for t in group))
+
+    async def close(self) -> None:
+        for task in list(self.checks):
+            task.cancel()
+        await asyncio.gather(*self.checks, return_exceptions=True)
+
+
+def _vocab_size(model_path: str, tokenizer) -> int:
+    """The engine samples over the model's logits: its config's vocab_size (at least the tokenizer's)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return max(int(config.get("vocab_size") or 0), len(tokenizer))
+    except (OSError, ValueError):  # (a hub name: the tokenizer's size)
+        return len(tokenizer)

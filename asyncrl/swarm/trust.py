@@ -1,0 +1,49 @@
+"""A worker's trust score: how much of its work is checked, and when it is shut out.
+
+A new worker starts at 0.5. Each recompute it passes moves the score a twentieth of the way to 1;
+a failed recompute takes 0.25 (a model that differs fails every check, so it is out after its second:
+a bfloat16 worker's honest noise stays under the tolerance by a margin measured in docs/untrusted.md);
+a failed cheap check takes 0.5 (a token outside the vocabulary or a positive logprob is no accident).
+Below `quarantine_below` the worker is quarantined. The share of its samples recomputed is the base
+fraction doubled while the score is under 0.7 (new or suspect) and halved above 0.9 (proven: about 45
+passed checks in a row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START = 0.5
+PASS_STEP = 0.05  # of the distance to 1
+RECOMPUTE_PENALTY = 0.25
+CHEAP_PENALTY = 0.5
+SUSPECT, PROVEN = 0.7, 0.9
+
+
+@dataclass
+class Trust:
+    score: float = START
+    checked: int = 0  # samples recomputed
+    failed: int = 0  # of them, failed
+    rejected: int = 0  # samples refused by a cheap check
+
+    def passed(self) -> None:
+        self.checked += 1
+        self.score += PASS_STEP * (1 - self.score)
+
+    def failed_recompute(self) -> None:
+        self.checked += 1
+        self.failed += 1
+        self.score = max(0.0, self.score - RECOMPUTE_PENALTY)
+
+    def failed_cheap(self, samples: int = 1) -> None:
+        self.rejected += samples
+        self.score = max(0.0, self.score - CHEAP_PENALTY)
+
+    def fraction(self, base: float) -> float:
+        """The share of this worker's samples to recompute."""
+        if self.score < SUSPECT:
+            return min(1.0, 2 * base)
+        return base / 2 if self.score > PROVEN else base
+
+    def out(self, threshold: float) -> bool:
+        return self.score < threshold
