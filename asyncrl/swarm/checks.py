@@ -5,10 +5,10 @@ A sample is refused when its tokens leave the vocabulary, a logprob is positive 
 lists' lengths disagree, a version was not published or is older than the version served when the work
 was given (a worker holds the served version before it gets work), it is longer than max_tokens, its
 finish reason does not match its end (a "stop" ends on a stop token, a "length" is max_tokens long), or
-it repeats a sample returned before for another prompt (same tokens, logprob bits and versions: the same
-floats from two contexts do not happen by chance). The same prompt may honestly get the same sample again
-(a task that repeats an item, a confident policy): such a repeat is a valid sample and is kept, as are
-samples whose logprobs are all ~0 (nothing random in them to tell a replay by).
+it repeats a sample returned before for another prompt (same tokens and logprob bits, whatever versions
+it claims: the same floats from two contexts do not happen by chance). The same prompt may honestly get
+the same sample again (a task that repeats an item, a confident policy): such a repeat is a valid sample
+and is kept, as are samples whose logprobs are all ~0 (nothing random in them to tell a replay by).
 A group is refused whole when the worker names a prompt other than the one it was given or returns a
 number of samples other than n.
 """
@@ -63,7 +63,7 @@ def sample_digest(choice: dict) -> str | None:
     if -sum(choice["logprobs"]["token_logprobs"]) < NOTHING_RANDOM:
         return None
     h = hashlib.sha256()
-    h.update(repr((choice["token_ids"], choice["versions"])).encode())
+    h.update(repr(choice["token_ids"]).encode())
     h.update(struct.pack(f"<{len(choice['token_ids'])}d", *choice["logprobs"]["token_logprobs"]))
     return h.hexdigest()
 

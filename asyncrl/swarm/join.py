@@ -1,5 +1,5 @@
-"""`asyncrl worker --join URL --token T [--dir D] [--device cpu] [--threads N] [--max-bytes-per-second B]`:
-an inference worker on a machine the run does not own.
+"""`asyncrl worker --join URL --token T [--dir D] [--device cpu] [--threads N] [--max-bytes-per-second B]
+[--give-up-after S]`: an inference worker on a machine the run does not own.
 
 It joins through the run's gateway (asyncrl/swarm/gateway.py), fetches the initial model's files, starts
 asyncrl's inference server on loopback over a directory of its own (D, shaped like a run directory), and
@@ -204,19 +204,23 @@ class Worker:
         return choices
 
 
-def main(args: list[str], take) -> int:
+def main(args: list[str], take, kind=Worker) -> int:
+    """`kind`: the Worker class to run (a test's dishonest one)."""
     url, token = take(args, "--join", True), take(args, "--token", True)
     workdir = take(args, "--dir", True) or "worker"
     device, threads = take(args, "--device", True) or "cpu", take(args, "--threads", True) or "1"
     rate = take(args, "--max-bytes-per-second", True)
-    if not url or not token or args or not threads.isdigit() or (rate is not None and not rate.isdigit()):
+    give_up = take(args, "--give-up-after", True) or str(int(GIVE_UP))
+    numbers = [x for x in (threads, rate, give_up) if x is not None]
+    if not url or not token or args or not all(x.isdigit() for x in numbers):
         from asyncrl.errors import ConfigError
 
         raise ConfigError("usage: asyncrl worker --join URL --token T [--dir DIR] [--device cpu] "
-                          "[--threads N] [--max-bytes-per-second B]")
+                          "[--threads N] [--max-bytes-per-second B] [--give-up-after SECONDS]")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        worker = Worker(url, token, Path(workdir), device, int(threads), int(rate) if rate else None)
+        worker = kind(url, token, Path(workdir), device, int(threads), int(rate) if rate else None,
+                      float(give_up))
         asyncio.run(worker.run())
     except WorkerStopped as e:
         print(f"asyncrl worker: stopped: {e}", file=sys.stderr)

@@ -49,6 +49,7 @@ class Swarm:
         self.rng = random.Random(cfg.run.seed + 35)
         self.epoch = secrets.token_hex(4)  # in every lease id: a lease from before a restart is known as such
         self.verified: dict[str, set[str]] = {}  # by worker: its samples a recompute passed
+        self.verdicts: dict[str, list[tuple[float, float]]] = {}  # by worker: (mean, most) of each recompute
         self.checks: set[asyncio.Task] = set()
         self.vocab_size = _vocab_size(cfg.model.path, tokenizer)
         self.on_quarantine = lambda name: None  # the orchestrator drops the worker's ready groups
@@ -115,6 +116,7 @@ class Swarm:
         if m.shut_out:
             raise Refused(403, f"worker {m.name} is {m.shut_out}")
         lease.delivered.add(index)
+        m.samples += len(choices)
         out = [self._refused(m, r) if r else self._accepted(m, lease, index, c)
                for c, r in zip(choices, reasons)]
         lease.on_group(index, out)
@@ -150,6 +152,7 @@ class Swarm:
                 self.events.write("samples_unchecked", worker=m.name, samples=self.unchecked,
                                   error=verdict.error)
             return
+        self.verdicts.setdefault(m.name, []).append((verdict.mean, verdict.most))
         if verdict.fails(self.tolerance):
             m.trust.failed_recompute()
             self.events.write("recompute_failed", worker=m.name, check=check, mean=round(verdict.mean, 5),
@@ -180,7 +183,8 @@ class Swarm:
         quarantine.add(self.run_dir, m.name, reason, self.verified.get(m.name, set()))
         self._shut_out(m, f"quarantined: {reason}")
         self.events.write("worker_quarantined", worker=m.name, reason=reason, trust=round(m.trust.score, 3),
-                          checked=m.trust.checked, failed=m.trust.failed, rejected=m.trust.rejected)
+                          checked=m.trust.checked, failed=m.trust.failed, rejected=m.trust.rejected,
+                          version=self.router.version, first_version=m.first_version)
         self.on_quarantine(m.name)
 
     def _shut_out(self, m: JoinedWorker, why: str) -> None:
@@ -200,6 +204,23 @@ class Swarm:
         for task in list(self.checks):
             task.cancel()
         await asyncio.gather(*self.checks, return_exceptions=True)
+        self.events.write("workers_summary", recompute_seconds=round(self.recomputer.seconds, 3),
+                          tolerance=self.tolerance,
+                          workers={name: self._summary(m) for name, m in self.members.items()})
+
+    def _summary(self, m: JoinedWorker) -> dict:
+        """What a worker returned and how its checks went: for the report and benchmarks/verification.py."""
+        verdicts = self.verdicts.get(m.name, [])
+
+        def quantiles(i: int) -> dict:
+            values = sorted(v[i] for v in verdicts)
+            at = lambda q: round(values[min(int(q * len(values)), len(values) - 1)], 6)  # noqa: E731
+            return {"p50": at(0.5), "p99": at(0.99), "max": at(1.0)} if values else {}
+
+        t = m.trust
+        return {"samples": m.samples, "tokens": m.tokens, "checked": t.checked, "failed": t.failed,
+                "refused": t.rejected, "trust": round(t.score, 3), "shut_out": m.shut_out,
+                "mean_diff": quantiles(0), "most_diff": quantiles(1)}
 
 
 def _vocab_size(model_path: str, tokenizer) -> int:

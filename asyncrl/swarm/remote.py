@@ -54,7 +54,8 @@ class JoinedWorker:
         self.waiting: list[Lease] = []  # not yet taken
         self.leases: dict[str, Lease] = {}  # given out, not yet done
         self.arrived = asyncio.Event()  # work queued or a version to load: a poll answers at once
-        self.tokens = 0  # completion tokens accepted
+        self.tokens, self.samples = 0, 0  # completion tokens accepted; samples returned
+        self.first_version: int | None = None  # the version served when it took its first work
         self._ids = itertools.count()
 
     # --- the router's client interface ------------------------------------------------------
@@ -152,6 +153,7 @@ class JoinedWorker:
             return None
         lease = self.waiting.pop(0)
         lease.taken, lease.heard = True, time.monotonic()
+        self.first_version = lease.issued_version if self.first_version is None else self.first_version
         self.leases[lease.id] = lease
         self.swarm.roster.issue(lease.id, self.name, lease.digests, lease.issued_version)
         return lease

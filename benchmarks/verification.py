@@ -1,0 +1,154 @@
+"""Joined workers that cheat, beside honest ones: what reaches a trained batch, and how soon each is shut out.
+
+Each run is the default tiny policy's arithmetic RL (CPU) with one trusted replica, one honest joined
+worker and, for a tamper kind, one dishonest worker (tests/dishonest.py: token, version, model, inflate,
+replay, foreign). Per kind: the share of the dishonest worker's samples that reached a trained batch
+(unmasked), how many versions after its first work it was quarantined, and why. Honest runs (two honest
+workers, float32 and bfloat16 serving, ≥ 10,000 worker samples each) count false quarantines and give the
+recompute's differences (the tolerance's margin) and its cost against the trainer's compute at the
+fractions asked. Every process is on loopback.
+
+    python benchmarks/verification.py [--only tamper|honest] [--steps N] [--fractions 0.05,0.1,0.25]
+
+Writes benchmarks/results/verification.{json,md} and verification.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.control.ctl import request  # noqa: E402
+from asyncrl.observe.events import read_events  # noqa: E402
+from asyncrl.observe.report import read_metrics  # noqa: E402
+from asyncrl.rundir import RunDir  # noqa: E402
+from benchmarks.tables import OUT, write_rows  # noqa: E402
+
+MODEL = os.environ.get("ASYNCRL_TEST_MODEL", str(ROOT / "models" / "tiny-default"))
+KINDS = ("token", "version", "model", "inflate", "replay", "foreign")
+
+
+def start_run(root: Path, steps: int, extra: dict) -> tuple[subprocess.Popen, Path]:
+    args = {"run.root": str(root), "run.name": "job", "run.steps": steps, "model.path": MODEL,
+            "rollout.prompts_per_step": 8, "rollout.group_size": 8, "rollout.max_staleness": 2,
+            "task.eval_size": 0, "trainer.threads": 1, "inference.threads": 1, "workers.enabled": "true",
+            **extra}
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train",
+           *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
+    proc = subprocess.Popen(cmd, stdout=open(root / "train.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    run_dir = root / "job"
+    end = time.monotonic() + 180
+    while not (RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists()):
+        if time.monotonic() > end or proc.poll() is not None:
+            raise RuntimeError(f"the run did not open its gateway: {root / 'train.log'}")
+        time.sleep(0.2)
+    return proc, run_dir
+
+
+def start_worker(run_dir: Path, name: str, kind: str, root: Path) -> subprocess.Popen:
+    token = request(run_dir, "POST", "/workers/add", {"name": name})["token"]
+    url = json.loads(RunDir(run_dir).gateway.read_text())["url"]
+    cmd = [sys.executable, str(ROOT / "tests" / "dishonest.py"), kind, "--join", url, "--token", token,
+           "--dir", str(root / name), "--give-up-after", "10"]
+    return subprocess.Popen(cmd, stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen, workers: list[subprocess.Popen], deadline: float) -> None:
+    try:
+        if proc.wait(deadline) != 0:
+            raise RuntimeError("the run failed")
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(30)
+
+
+def trained(run_dir: Path, worker: str) -> tuple[int, int]:
+    """(samples of `worker` in trained batches left unmasked, masked ones)."""
+    db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
+    rows = db.execute("SELECT reason, COUNT(*) FROM samples WHERE step IS NOT NULL AND "
+                      "json_extract(data, '$.info.worker') = ? GROUP BY reason", (worker,)).fetchall()
+    db.close()
+    counts = {reason: n for reason, n in rows}
+    return sum(n for r, n in counts.items() if r != "quarantined_masked"), counts.get("quarantined_masked", 0)
+
+
+def summary(run_dir: Path) -> dict:
+    events = read_events(run_dir)
+    return {"summary": next(e for e in events if e["event"] == "workers_summary"),
+            "quarantined": {e["worker"]: e for e in events if e["event"] == "worker_quarantined"},
+            "train_seconds": sum(r.get("train_seconds", 0) for r in read_metrics(run_dir)[0])}
+
+
+def tamper(kind: str, steps: int) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"verify-{kind}-"))
+    proc, run_dir = start_run(root, steps, {"workers.verify_fraction": 0.1})
+    workers = [start_worker(run_dir, "honest", "honest", root), start_worker(run_dir, kind, kind, root)]
+    finish(proc, workers, 1200)
+    s = summary(run_dir)
+    w, q = s["summary"]["workers"].get(kind, {}), s["quarantined"].get(kind)
+    kept, masked = trained(run_dir, kind)
+    row = {"kind": kind, "returned": w.get("samples", 0), "trained": kept, "masked": masked,
+           "share_trained": round(kept / max(w.get("samples", 0), 1), 3),
+           "versions_to_quarantine": q["version"] - q["first_version"] if q else None,
+           "checked": w.get("checked"), "refused": w.get("refused"),
+           "honest_quarantined": "honest" in s["quarantined"],
+           "why": (q["reason"][:90] if q else "not quarantined")}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def honest(dtype: str, fraction: float, steps: int) -> dict:
+    root = Path(tempfile.mkdtemp(prefix=f"verify-honest-{dtype}-"))
+    proc, run_dir = start_run(root, steps, {"workers.verify_fraction": fraction, "inference.dtype": dtype})
+    workers = [start_worker(run_dir, f"honest{i}", "honest", root) for i in range(2)]
+    finish(proc, workers, 2400)
+    s = summary(run_dir)
+    ws = s["summary"]["workers"].values()
+    returned, checked = sum(w["samples"] for w in ws), sum(w["checked"] for w in ws)
+    row = {"dtype": dtype, "fraction": fraction, "worker_samples": returned, "recomputed": checked,
+           "failed": sum(w["failed"] for w in ws), "false_quarantines": len(s["quarantined"]),
+           "mean_diff_p99": max(w["mean_diff"].get("p99", 0) for w in ws),
+           "mean_diff_max": max(w["mean_diff"].get("max", 0) for w in ws),
+           "most_diff_max": max(w["most_diff"].get("max", 0) for w in ws),
+           "tolerance": s["summary"]["tolerance"],
+           "recompute_s": s["summary"]["recompute_seconds"], "trainer_s": round(s["train_seconds"], 2),
+           "cost_share": round(s["summary"]["recompute_seconds"] / max(s["train_seconds"], 1e-9), 4),
+           "effective_fraction": round(checked / max(returned, 1), 4)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=("tamper", "honest"))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--honest-steps", type=int, default=220)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--fractions", default="0.05,0.1,0.25")
+    args = parser.parse_args()
+    path = OUT / "verification.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if args.only != "honest":
+        results["tamper"] = [tamper(k, args.steps) for k in args.kinds.split(",")]
+        write_rows("verification_tamper", results["tamper"])
+    if args.only != "tamper":
+        runs = [("float32", 0.25), ("bfloat16", 0.25)]
+        runs += [("float32", float(f)) for f in args.fractions.split(",") if float(f) != 0.25]
+        results["honest"] = [honest(d, f, args.honest_steps) for d, f in runs]
+        write_rows("verification_honest", results["honest"])
+    (OUT / "verification.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
