@@ -62,6 +62,28 @@ def start_worker(run_dir: Path, name: str, kind: str, root: Path) -> subprocess.
     return subprocess.Popen(cmd, stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 
+def ready(run_dir: Path, names: list[str], deadline: float = 300) -> None:
+    """Until every named worker polls holding the served version (the run paused meanwhile)."""
+    end = time.monotonic() + deadline
+    while True:
+        served = request(run_dir, "GET", "/status")["served_version"]
+        listed = {w["name"]: w for w in request(run_dir, "GET", "/workers")["workers"]}
+        if all(listed.get(n, {}).get("polling") and listed[n]["version"] == served for n in names):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"workers {names} not ready in {deadline}s: {listed}")
+        time.sleep(0.5)
+
+
+def joined(run_dir: Path, root: Path, kinds: dict[str, str]) -> list[subprocess.Popen]:
+    """Workers started while the run is paused, and the run resumed once they all hold its version."""
+    request(run_dir, "POST", "/pause")
+    workers = [start_worker(run_dir, name, kind, root) for name, kind in kinds.items()]
+    ready(run_dir, list(kinds))
+    request(run_dir, "POST", "/resume")
+    return workers
+
+
 def finish(proc: subprocess.Popen, workers: list[subprocess.Popen], deadline: float) -> None:
     try:
         if proc.wait(deadline) != 0:
@@ -93,7 +115,7 @@ def summary(run_dir: Path) -> dict:
 def tamper(kind: str, steps: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"verify-{kind}-"))
     proc, run_dir = start_run(root, steps, {"workers.verify_fraction": 0.1})
-    workers = [start_worker(run_dir, "honest", "honest", root), start_worker(run_dir, kind, kind, root)]
+    workers = joined(run_dir, root, {"honest": "honest", kind: kind})
     finish(proc, workers, 1200)
     s = summary(run_dir)
     w, q = s["summary"]["workers"].get(kind, {}), s["quarantined"].get(kind)
@@ -111,7 +133,7 @@ def tamper(kind: str, steps: int) -> dict:
 def honest(dtype: str, fraction: float, steps: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"verify-honest-{dtype}-"))
     proc, run_dir = start_run(root, steps, {"workers.verify_fraction": fraction, "inference.dtype": dtype})
-    workers = [start_worker(run_dir, f"honest{i}", "honest", root) for i in range(2)]
+    workers = joined(run_dir, root, {f"honest{i}": "honest" for i in range(2)})
     finish(proc, workers, 2400)
     s = summary(run_dir)
     ws = s["summary"]["workers"].values()

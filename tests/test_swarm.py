@@ -1,0 +1,121 @@
+"""Joined workers (asyncrl/swarm/): the cheap checks, trust, the trainer's mask, a resumable hash-checked
+fetch, and a real run on loopback with workers that die, join late on a slow link, and cheat."""
+import asyncio
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from asyncrl.swarm import quarantine
+from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group, prompt_digest
+from asyncrl.swarm.download import DownloadError, fetch, sha256_of
+from asyncrl.swarm.trust import Trust
+from asyncrl.trajectory import Trajectory
+
+TESTS = Path(__file__).parent
+LIMITS = Limits(vocab_size=100, max_tokens=4, stop_ids=frozenset({2}), issued_version=5, newest_version=6)
+PROMPT = prompt_digest([7, 8, 9])
+
+
+def sample(tokens=(10, 11, 2), logprobs=(-0.5, -0.25, -0.125), versions=(5, 5, 6), finish="stop") -> dict:
+    return {"token_ids": list(tokens), "logprobs": {"token_logprobs": list(logprobs)},
+            "versions": list(versions), "finish_reason": finish}
+
+
+def test_cheap_checks_refuse_each_kind_of_impossible_sample():
+    bad = {
+        "a token outside the vocabulary": sample(tokens=(10, 100, 2)),
+        "a logprob that is positive or not finite": sample(logprobs=(-0.5, 0.25, -0.1)),
+        "nan": sample(logprobs=(-0.5, float("nan"), -0.1)),
+        "a version outside [5, 6]": sample(versions=(4, 5, 5)),
+        "unpublished": sample(versions=(5, 7, 7)),
+        "over max_tokens": sample(tokens=(10, 11, 12, 13, 2), logprobs=(-1,) * 5, versions=(5,) * 5),
+        "not a stop token": sample(tokens=(10, 11, 12)),
+        "not max_tokens": sample(finish="length"),
+        "lengths": sample(versions=(5, 5)),
+        "finish_reason": sample(finish="eos"),
+    }
+    reasons = check_group([sample(), *bad.values()], 1 + len(bad), PROMPT, PROMPT, LIMITS, Seen())
+    assert reasons[0] is None
+    assert all(reasons[1:]), dict(zip(bad, reasons[1:]))
+    assert "outside the vocabulary" in reasons[1] and "version outside" in reasons[5]
+    with pytest.raises(GroupRefused, match="not the prompt given"):
+        check_group([sample()], 1, PROMPT, prompt_digest([7, 8]), LIMITS, Seen())
+    with pytest.raises(GroupRefused, match="for a group of 2"):
+        check_group([sample()], 2, PROMPT, PROMPT, LIMITS, Seen())
+
+
+def test_a_sample_returned_for_another_prompt_is_refused_and_the_same_prompt_may_repeat():
+    seen, other = Seen(), prompt_digest([1, 2, 3])
+    assert check_group([sample(), sample()], 2, PROMPT, PROMPT, LIMITS, seen) == [None, None]  # a group repeats
+    assert check_group([sample()], 1, PROMPT, PROMPT, LIMITS, seen) == [None]  # the same prompt again
+    relabelled = sample(versions=(6, 6, 6))  # (a replay claims the current version: still the same floats)
+    assert "another prompt" in check_group([relabelled], 1, other, other, LIMITS, seen)[0]
+    certain = sample(logprobs=(0.0, 0.0, -1e-7))  # nothing random in it: not told from a replay, kept
+    assert check_group([certain], 1, PROMPT, PROMPT, LIMITS, seen) == [None]
+    assert check_group([certain], 1, other, other, LIMITS, seen) == [None]
+
+
+def test_trust_quarantines_a_cheat_fast_and_checks_a_proven_worker_less():
+    new = Trust()
+    assert new.fraction(0.1) == 0.2
+    new.failed_recompute()
+    assert not new.out(0.2)
+    new.failed_recompute()
+    assert new.out(0.2)  # two recomputes that disagree
+    cheap = Trust()
+    cheap.failed_cheap()
+    assert cheap.out(0.2)  # one impossible sample
+    proven = Trust()
+    for _ in range(60):
+        proven.passed()
+    assert proven.fraction(0.1) == 0.05
+    proven.failed_recompute()
+    proven.failed_recompute()
+    assert not proven.out(0.2)  # a proven worker survives two (honest noise is far below the tolerance)
+
+
+def test_the_trainer_masks_only_unverified_samples_of_a_quarantined_worker(tmp_path):
+    def traj(i: str, worker=None, check=None) -> Trajectory:
+        info = {k: v for k, v in (("worker", worker), ("check", check)) if v}
+        return Trajectory(id=i, group_id=i, task="t", prompt_id=0, tokens=[1, 2, 3], loss_mask=[0, 1, 1],
+                          logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=1.0, advantages=[0.0, 1.0, 1.0],
+                          info=info)
+    batch = [traj("own"), traj("cheat", "eve"), traj("checked", "eve", "c1"), traj("other", "bob")]
+    assert quarantine.mask(tmp_path, batch) == []
+    quarantine.add(tmp_path, "eve", "two recomputes disagreed", {"c1"})
+    assert quarantine.mask(tmp_path, batch) == ["cheat"]
+    assert batch[1].loss_mask == [0, 0, 0] and batch[1].advantages == [0.0, 0.0, 0.0]
+    assert batch[0].loss_mask == batch[2].loss_mask == batch[3].loss_mask == [0, 1, 1]
+
+
+def test_a_fetch_resumes_where_it_stopped_and_refuses_bytes_that_are_not_their_hash(tmp_path):
+    data = os.urandom(300_000)
+    (tmp_path / "blob").write_bytes(data)
+    ranges = []
+
+    async def main():
+        async def handler(request):
+            ranges.append(request.headers.get("Range"))
+            return web.FileResponse(tmp_path / "blob")
+
+        app = web.Application()
+        app.add_routes([web.get("/blob", handler)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/blob"
+        digest = sha256_of(tmp_path / "blob")
+        (tmp_path / "got.part").write_bytes(data[:100_000])  # (a transfer that broke a third of the way)
+        async with aiohttp.ClientSession() as session:
+            await fetch(session, url, digest, len(data), tmp_path / "got", rate=2_000_000)
+            with pytest.raises(DownloadError, match="do not hash"):
+                await fetch(session, url, "0" * 64, len(data), tmp_path / "wrong")
+        await runner.cleanup()
+
+    asyncio.run(main())
+    assert (tmp_path / "got").read_bytes() == data and ranges[0] == "bytes=100000-"
+    assert not (tmp_path / "wrong").exists() and not (tmp_path / "wrong.part").exists()
