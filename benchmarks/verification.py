@@ -68,7 +68,7 @@ def ready(run_dir: Path, names: list[str], deadline: float = 300) -> None:
     while True:
         served = request(run_dir, "GET", "/status")["served_version"]
         listed = {w["name"]: w for w in request(run_dir, "GET", "/workers")["workers"]}
-        if all(listed.get(n, {}).get("polling") and listed[n]["version"] == served for n in names):
+        if all(listed.get(n, {}).get("routed") and listed[n]["version"] == served for n in names):
             return
         if time.monotonic() > end:
             raise RuntimeError(f"workers {names} not ready in {deadline}s: {listed}")

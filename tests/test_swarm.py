@@ -1,13 +1,25 @@
 """Joined workers (asyncrl/swarm/): the cheap checks, trust, the trainer's mask, a resumable hash-checked
 fetch, and a real run on loopback with workers that die, join late on a slow link, and cheat."""
 import asyncio
+import json
 import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import job_args
 
+from asyncrl.control.ctl import request
+from asyncrl.files import poll
+from asyncrl.observe.events import read_events
+from asyncrl.rundir import RunDir
+from asyncrl.store.ledger import audit
 from asyncrl.swarm import quarantine
 from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group, prompt_digest
 from asyncrl.swarm.download import DownloadError, fetch, sha256_of
@@ -49,7 +61,7 @@ def test_cheap_checks_refuse_each_kind_of_impossible_sample():
 
 def test_a_sample_returned_for_another_prompt_is_refused_and_the_same_prompt_may_repeat():
     seen, other = Seen(), prompt_digest([1, 2, 3])
-    assert check_group([sample(), sample()], 2, PROMPT, PROMPT, LIMITS, seen) == [None, None]  # a group repeats
+    assert check_group([sample(), sample()], 2, PROMPT, PROMPT, LIMITS, seen) == [None, None]  # (one group)
     assert check_group([sample()], 1, PROMPT, PROMPT, LIMITS, seen) == [None]  # the same prompt again
     relabelled = sample(versions=(6, 6, 6))  # (a replay claims the current version: still the same floats)
     assert "another prompt" in check_group([relabelled], 1, other, other, LIMITS, seen)[0]
@@ -81,8 +93,8 @@ def test_the_trainer_masks_only_unverified_samples_of_a_quarantined_worker(tmp_p
     def traj(i: str, worker=None, check=None) -> Trajectory:
         info = {k: v for k, v in (("worker", worker), ("check", check)) if v}
         return Trajectory(id=i, group_id=i, task="t", prompt_id=0, tokens=[1, 2, 3], loss_mask=[0, 1, 1],
-                          logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=1.0, advantages=[0.0, 1.0, 1.0],
-                          info=info)
+                          logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=1.0,
+                          advantages=[0.0, 1.0, 1.0], info=info)
     batch = [traj("own"), traj("cheat", "eve"), traj("checked", "eve", "c1"), traj("other", "bob")]
     assert quarantine.mask(tmp_path, batch) == []
     quarantine.add(tmp_path, "eve", "two recomputes disagreed", {"c1"})
@@ -119,3 +131,92 @@ def test_a_fetch_resumes_where_it_stopped_and_refuses_bytes_that_are_not_their_h
     asyncio.run(main())
     assert (tmp_path / "got").read_bytes() == data and ranges[0] == "bytes=100000-"
     assert not (tmp_path / "wrong").exists() and not (tmp_path / "wrong.part").exists()
+
+
+def start_worker(run_dir: Path, name: str, kind: str = "honest", *extra: str) -> subprocess.Popen:
+    """A worker process (and its inference server) in a session of its own: killed together."""
+    token = request(run_dir, "POST", "/workers/add", {"name": name})["token"]
+    url = json.loads(RunDir(run_dir).gateway.read_text())["url"]
+    return subprocess.Popen([sys.executable, str(TESTS / "dishonest.py"), kind, "--join", url,
+                             "--token", token, "--dir", str(run_dir.parent / name), "--give-up-after", "5",
+                             *extra],
+                            stdout=open(run_dir.parent / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def join_paused(run_dir: Path, workers: dict) -> dict[str, subprocess.Popen]:
+    """Workers started while the run is paused; it resumes once each polls holding the served version."""
+    request(run_dir, "POST", "/pause")
+    started = {name: start_worker(run_dir, name, *how) for name, how in workers.items()}
+
+    def ready() -> bool:
+        served = request(run_dir, "GET", "/status")["served_version"]
+        listed = {w["name"]: w for w in request(run_dir, "GET", "/workers")["workers"]}
+        return all(listed[n]["routed"] and listed[n]["version"] == served for n in workers)
+
+    poll(ready, 240, lambda: f"workers ready: {request(run_dir, 'GET', '/workers')}")
+    request(run_dir, "POST", "/resume")
+    return started
+
+
+def leases(run_dir: Path) -> dict[tuple[str, str], int]:
+    db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
+    rows = db.execute("SELECT worker, state, COUNT(*) FROM leases GROUP BY worker, state").fetchall()
+    db.close()
+    return {(w, s): n for w, s, n in rows}
+
+
+def stop_holding_work(worker: subprocess.Popen, run_dir: Path, name: str) -> None:
+    """SIGSTOP the worker at a moment it holds a lease (tried again if it answered in between)."""
+    for _ in range(100):
+        poll(lambda: leases(run_dir).get((name, "issued")), 60, f"{name} to hold work")
+        os.killpg(worker.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        if leases(run_dir).get((name, "issued")):
+            return
+        os.killpg(worker.pid, signal.SIGCONT)
+    raise AssertionError(f"{name} never held work when stopped")
+
+
+@pytest.mark.e2e
+def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_path):
+    """One worker is frozen then killed while it holds work, one cheats (a token changed in every sample),
+    one joins mid-run fetching at 8 MB/s (a 4-MB version in ~0.5 s: within the 5-s grace); the run ends with
+    a clean audit, the killed one's work issued again, the cheat quarantined and none of its unverified
+    samples trained after that."""
+    args = job_args(tmp_path, tiny_model, **{
+        "run.steps": 30, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
+        "workers.enabled": True, "workers.lease_seconds": 3, "workers.verify_fraction": 0.25,
+        "workers.load_grace_seconds": 5})
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir, workers = tmp_path / "runs" / "job", {}
+    try:
+        poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
+             "the gateway")
+        workers = join_paused(run_dir, {"doomed": ("honest",), "cheat": ("token",)})
+        stop_holding_work(workers["doomed"], run_dir, "doomed")
+        os.killpg(workers["doomed"].pid, signal.SIGKILL)
+        workers.update(join_paused(run_dir, {"late": ("honest", "--max-bytes-per-second", "8000000")}))
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        for w in [proc, *workers.values()]:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGKILL) if w is not proc else w.kill()
+    report = audit(run_dir, 2)
+    assert report["problems"] == [] and report["steps_committed"] == 30, report
+    assert set(report["samples_dropped"]) <= {"too_stale", "refused", "quarantined"}, report
+    held = leases(run_dir)
+    assert held.get(("doomed", "expired"), 0) >= 1, held  # its work went elsewhere
+    assert held.get(("late", "returned"), 0) >= 1, held
+    events = read_events(run_dir)
+    shut = [e for e in events if e["event"] == "worker_quarantined"]
+    assert [e["worker"] for e in shut] == ["cheat"] and "recomputed samples disagreed" in shut[0]["reason"]
+    db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
+    verified = set(quarantine.read(run_dir)["cheat"]["verified"])
+    late_trained = [i for i, reason, check in db.execute(
+        "SELECT id, reason, json_extract(data, '$.info.check') FROM samples WHERE step > ? AND "
+        "json_extract(data, '$.info.worker') = 'cheat'", (shut[0]["version"] + 3,))  # (η + 1 after)
+        if reason != "quarantined_masked" and check not in verified]
+    assert late_trained == [], late_trained

@@ -83,11 +83,13 @@ class Swarm:
         self.events.write("worker_revoked", worker=name)
 
     def listing(self) -> list[dict]:
+        routed = {r.client.name for r in self.router.routed() if "worker" in r.info}
         listed = []
         for w in self.roster.all():
             m = self.members.get(w["name"])
             listed.append({**w, "trust": round(m.trust.score if m else w["trust"], 3),
-                           "polling": bool(m and m.alive()), "version": m.held if m else None})
+                           "routed": w["name"] in routed, "polling": bool(m and m.alive()),
+                           "version": m.held if m else None})
         return listed
 
     # --- what a worker returns -------------------------------------------------------------------
@@ -146,6 +148,8 @@ class Swarm:
     async def _verify(self, m: JoinedWorker, check: str, prompt: list[int], c: dict, temperature: float):
         verdict = await self.recomputer.check(prompt, c["token_ids"], c["logprobs"]["token_logprobs"],
                                               c["versions"], temperature)
+        if m.shut_out:  # (checks queued before it was shut out: nothing more to learn)
+            return
         if verdict.error:
             self.unchecked += 1
             if self.unchecked in (1, 10) or self.unchecked % 100 == 0:  # (not an event per sample)
