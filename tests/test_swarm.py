@@ -72,7 +72,7 @@ def test_a_sample_returned_for_another_prompt_is_refused_and_the_same_prompt_may
 
 def test_trust_quarantines_a_cheat_fast_and_checks_a_proven_worker_less():
     new = Trust()
-    assert new.fraction(0.1) == 0.2
+    assert new.fraction(0.1) == 0.4
     new.failed_recompute()
     assert not new.out(0.2)
     new.failed_recompute()

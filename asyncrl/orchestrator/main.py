@@ -216,8 +216,8 @@ class Orchestrator:
     def _finished(self, group: list[Trajectory]) -> None:
         """Into the pool batches are packed from, the oldest first (a group's prompt breaks ties: the same
         order after a restart)."""
-        if self.swarm and self.swarm.refuses(group):  # (its worker was quarantined while it was scored)
-            return workers.drop(self, group)
+        if self.swarm and not self.swarm.admit(group):  # (a joined worker's, held for a check or dropped)
+            return
         staleness.offer(self.ready, min(t.oldest_version for t in group), group[0].prompt_id, group)
 
     # --- assemble -----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 
+from asyncrl.orchestrator import staleness
 from asyncrl.swarm import gateway
 from asyncrl.swarm.members import Swarm
 
@@ -12,7 +13,15 @@ from asyncrl.swarm.members import Swarm
 def swarm(orch) -> Swarm:
     joined = Swarm(orch.cfg, orch.run_dir, orch.router, orch.ledger, orch.events, orch.tokenizer)
     joined.on_quarantine = lambda name: drop_ready(orch, name)
+    joined.drop = lambda group: drop(orch, group)
+    joined.offer = lambda group: offer(orch, group)
     return joined
+
+
+async def offer(orch, group) -> None:
+    """A held group whose checks passed: into the ready pool, and the batch assembly told."""
+    staleness.offer(orch.ready, min(t.oldest_version for t in group), group[0].prompt_id, group)
+    await orch._notify()
 
 
 async def open_gateway(orch):

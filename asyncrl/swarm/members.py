@@ -4,8 +4,9 @@ A worker's token names it (asyncrl/swarm/roster.py); on its first poll it become
 (index 1000 and up), routed once it holds the served version. Every group it returns passes the cheap
 checks (asyncrl/swarm/checks.py): a refused sample is dropped (reason "refused") and costs the worker
 trust. A random share of its accepted samples (by its trust: asyncrl/swarm/trust.py) is recomputed by
-the trusted model (asyncrl/swarm/recompute.py) while the samples go on to be scored; a recompute that
-disagrees costs trust. Below workers.quarantine_below the worker is quarantined: out of routing, its work
+the trusted model (asyncrl/swarm/recompute.py) while the samples are scored; a scored group with a
+sample being recomputed is held out of the ready pool until the verdict. A recompute that disagrees
+costs trust. Below workers.quarantine_below the worker is quarantined: out of routing, its work
 issued again elsewhere, its groups still in the ready pool dropped, and its unverified samples in batches
 not yet trained masked by the trainer (asyncrl/swarm/quarantine.py). Events and the ledger say which
 and why.
@@ -52,7 +53,10 @@ class Swarm:
         self.verdicts: dict[str, list[tuple[float, float]]] = {}  # by worker: (mean, most) of each recompute
         self.checks: set[asyncio.Task] = set()
         self.vocab_size = _vocab_size(cfg.model.path, tokenizer)
-        self.on_quarantine = lambda name: None  # the orchestrator drops the worker's ready groups
+        self.pending: set[str] = set()  # checks not yet done
+        self.held: list[list] = []  # scored groups waiting for their checks
+        # the orchestrator's: a group into the ready pool (async), a group dropped, a quarantine
+        self.offer = self.drop = self.on_quarantine = None
 
     # --- membership ----------------------------------------------------------------------------
     def member(self, token: str) -> JoinedWorker:
@@ -138,6 +142,7 @@ class Swarm:
         m.tokens += len(c["token_ids"])
         if c["finish_reason"] != "abort" and self.rng.random() < m.trust.fraction(self.cfg.verify_fraction):
             c["check"] = f"{lease.id}.{index}.{len(lease.delivered)}.{self.rng.getrandbits(32):08x}"
+            self.pending.add(c["check"])
             task = asyncio.get_running_loop().create_task(
                 self._verify(m, c["check"], lease.prompts[index], c, lease.params["temperature"]))
             self.checks.add(task)
@@ -146,6 +151,13 @@ class Swarm:
 
     # --- verification and quarantine ---------------------------------------------------------------
     async def _verify(self, m: JoinedWorker, check: str, prompt: list[int], c: dict, temperature: float):
+        try:
+            await self._judge(m, check, prompt, c, temperature)
+        finally:
+            self.pending.discard(check)
+            await self._release()
+
+    async def _judge(self, m: JoinedWorker, check: str, prompt: list[int], c: dict, temperature: float):
         verdict = await self.recomputer.check(prompt, c["token_ids"], c["logprobs"]["token_logprobs"],
                                               c["versions"], temperature)
         if m.shut_out:  # (checks queued before it was shut out: nothing more to learn)
@@ -190,12 +202,36 @@ class Swarm:
                           checked=m.trust.checked, failed=m.trust.failed, rejected=m.trust.rejected,
                           version=self.router.version, first_version=m.first_version)
         self.on_quarantine(m.name)
+        for group in [g for g in self.held if self.refuses(g)]:
+            self.held.remove(group)
+            self.drop(group)
 
     def _shut_out(self, m: JoinedWorker, why: str) -> None:
         m.drop_all(why)
         for r in self.router.replicas.values():
             if r.client is m:
                 self.router.unroute(r, RuntimeError(why), f"worker {m.name}")
+
+    def admit(self, group) -> bool:
+        """Whether a scored group may go into the ready pool now: not if its worker is quarantined (dropped)
+        or one of its samples is being recomputed (held until the verdict)."""
+        if self.refuses(group):
+            self.drop(group)
+            return False
+        if any(t.info.get("check") in self.pending for t in group):
+            self.held.append(group)
+            return False
+        return True
+
+    async def _release(self) -> None:
+        """Held groups whose checks are done: dropped if their worker was quarantined, else offered."""
+        done = [g for g in self.held if not any(t.info.get("check") in self.pending for t in g)]
+        self.held = [g for g in self.held if g not in done]
+        for group in done:
+            if self.refuses(group):
+                self.drop(group)
+            else:
+                await self.offer(group)
 
     def refuses(self, group) -> bool:
         """Whether a finished group comes from a quarantined worker and is not all verified."""

@@ -4,9 +4,11 @@ A new worker starts at 0.5. Each recompute it passes moves the score a twentieth
 a failed recompute takes 0.25 (a model that differs fails every check, so it is out after its second:
 a bfloat16 worker's honest noise stays under the tolerance by a margin measured in docs/untrusted.md);
 a failed cheap check takes 0.5 (a token outside the vocabulary or a positive logprob is no accident).
-Below `quarantine_below` the worker is quarantined. The share of its samples recomputed is the base
-fraction doubled while the score is under 0.7 (new or suspect) and halved above 0.9 (proven: about 45
-passed checks in a row).
+Below `quarantine_below` the worker is quarantined. The share of its samples recomputed is four times
+the base fraction while the score is under 0.7 (new or suspect: about its first 10 checks), the base
+fraction up to 0.9, and half of it above (proven: about 45 passed checks in a row). A group with a sample
+drawn for a recompute waits for the verdict before a batch may take it (asyncrl/swarm/members.py), so a
+new worker's work is nearly all checked before any of it is trained.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class Trust:
     def fraction(self, base: float) -> float:
         """The share of this worker's samples to recompute."""
         if self.score < SUSPECT:
-            return min(1.0, 2 * base)
+            return min(1.0, 4 * base)
         return base / 2 if self.score > PROVEN else base
 
     def out(self, threshold: float) -> bool:
