@@ -86,9 +86,9 @@ def make_app(swarm, run_dir: Path) -> web.Application:
     async def version(request: web.Request) -> web.Response:
         v = request.match_info["v"]
         marker = weights.read_marker(run_dir, int(v)) if v.isdigit() else None
-        full, patch = RunDir(run_dir).weights_file(int(v or 0)), RunDir(run_dir).patch(int(v or 0))
-        if marker is None or not full.exists():
+        if marker is None or not RunDir(run_dir).weights_file(int(v)).exists():
             return web.json_response({"error": f"version {v} is not published or no longer kept"}, status=404)
+        full, patch = RunDir(run_dir).weights_file(int(v)), RunDir(run_dir).patch(int(v))
         answer = {"version": int(v), "hash": marker.get("serving_hash", marker["hash"]),
                   "full": await blobs.describe(full)}
         if patch.exists():

@@ -1,8 +1,9 @@
 """`asyncrl worker --join URL --token T [--dir D] [--device cpu] [--threads N] [--max-bytes-per-second B]
-[--give-up-after S]`: an inference worker on a machine the run does not own.
+[--give-up-after S] [--vllm-python PYTHON]`: an inference worker on a machine the run does not own.
 
 It joins through the run's gateway (asyncrl/swarm/gateway.py), fetches the initial model's files, starts
-asyncrl's inference server on loopback over a directory of its own (D, shaped like a run directory), and
+an inference server on loopback over a directory of its own (D, shaped like a run directory: asyncrl's
+engine, or vLLM's OpenAI server run by PYTHON, which reloads each version in full), and
 then polls: each answer says which version to hold (fetched as a sparse patch when it is the next one and
 smaller, else in full; hash-checked twice: the file's sha256, then the loaded weights' hash by the server)
 and may carry a lease of work, which it generates on its server and returns a prompt at a time. The poll
@@ -21,12 +22,15 @@ from pathlib import Path
 
 import aiohttp
 
-from asyncrl.control.access import read_token
+from asyncrl.config import read_run_config
+from asyncrl.control.access import ensure_token, read_token
 from asyncrl.files import apoll, write_atomic
 from asyncrl.inference import replica
-from asyncrl.inference.client import InferenceClient, InferenceError
+from asyncrl.inference.client import InferenceError
+from asyncrl.orchestrator.replicas import client_for
+from asyncrl.run.processes import start_role, start_vllm
 from asyncrl.rundir import RunDir
-from asyncrl.swarm.download import fetch
+from asyncrl.swarm.download import DownloadError, fetch
 
 log = logging.getLogger("asyncrl.worker")
 GIVE_UP = 120.0  # seconds without reaching the gateway: the run has ended or is gone
@@ -38,9 +42,9 @@ class WorkerStopped(RuntimeError):
 
 class Worker:
     def __init__(self, url: str, token: str, workdir: Path, device: str = "cpu", threads: int = 1,
-                 rate: float | None = None, give_up: float = GIVE_UP):
+                 rate: float | None = None, give_up: float = GIVE_UP, vllm_python: str | None = None):
         self.url, self.workdir, self.device, self.threads = url.rstrip("/"), Path(workdir), device, threads
-        self.rate, self.give_up, self.token = rate, give_up, token
+        self.rate, self.give_up, self.token, self.vllm_python = rate, give_up, token, vllm_python
         self.held, self.loading = 0, None  # the version the server holds; the one being fetched
         self.running: set[str] = set()  # leases being worked on
         self.tasks: set[asyncio.Task] = set()
@@ -58,8 +62,9 @@ class Worker:
             try:
                 info = await apoll(lambda: replica.read_info(self.workdir, 0), 300,
                                    f"worker: its inference server wrote no {RunDir(self.workdir).replica(0)}")
-                async with InferenceClient(info["url"], 600, read_token(self.workdir)) as self.local:
-                    await self.local.wait_healthy(300)
+                cfg = read_run_config(self.workdir)
+                async with client_for(cfg, info["url"], read_token(self.workdir), self.workdir) as self.local:
+                    await self.local.wait_healthy(600)
                     await self._poll(server)
             finally:
                 for task in self.tasks:
@@ -96,15 +101,20 @@ class Worker:
 
     def _start_server(self, config: dict) -> subprocess.Popen:
         config["model"]["path"] = str(self.workdir / "model")
-        config["inference"].update(host="127.0.0.1", port=0, device=self.device, threads=self.threads)
+        config["inference"].update(host="127.0.0.1", port=0, device=self.device, threads=self.threads,
+                                   engine="vllm" if self.vllm_python else "builtin", weight_transfer="files")
+        if self.vllm_python:  # (vLLM reports no per-token versions: a version lands between requests)
+            config["inference"].update(vllm_python=self.vllm_python, update_policy="finish")
         config["run"]["storage"] = ""
         RunDir(self.workdir).weights.mkdir(exist_ok=True)
         RunDir(self.workdir).logs.mkdir(exist_ok=True)
         RunDir(self.workdir).replica(0).unlink(missing_ok=True)
+        ensure_token(self.workdir)
         write_atomic(RunDir(self.workdir).config, json.dumps(config))
-        log_file = open(RunDir(self.workdir).log("inference-0"), "a")
-        return subprocess.Popen([sys.executable, "-m", "asyncrl.inference.server", str(self.workdir), "0"],
-                                stdout=log_file, stderr=subprocess.STDOUT)
+        # (either dies with this process: asyncrl/run/processes.py)
+        if self.vllm_python:
+            return start_vllm(read_run_config(self.workdir), self.workdir, self.threads, 0)
+        return start_role(replica.role(0), self.workdir, self.threads)
 
     async def _load(self, version: int) -> None:
         """Fetch `version` (a patch from the one held when there is one and it is smaller) and load it."""
@@ -112,7 +122,7 @@ class Worker:
             files = await self._call("GET", f"/v1/versions/{version}")
             run = RunDir(self.workdir)
             body = {"path": str(run.weights_file(version)), "version": version, "hash": files["hash"]}
-            patch = files.get("patch")
+            patch = files.get("patch") if not self.vllm_python else None  # (vLLM reloads whole files)
             if patch and patch["base_version"] == self.held and patch["size"] < files["full"]["size"]:
                 await self._blob(patch, run.patch(version))
                 body.update(patch=str(run.patch(version)), base_version=self.held)
@@ -131,7 +141,7 @@ class Worker:
             for old in range(max(0, version - 8), version):
                 run.weights_file(old).unlink(missing_ok=True)
                 run.patch(old).unlink(missing_ok=True)
-        except InferenceError as e:  # (pruned meanwhile: the next poll names a newer one)
+        except (InferenceError, DownloadError) as e:  # (pruned or reused meanwhile: the next poll says)
             log.warning(f"worker: loading version {version} failed: {e}")
             await asyncio.sleep(1.0)  # (not a poll loop at full speed)
         finally:
@@ -211,16 +221,18 @@ def main(args: list[str], take, kind=Worker) -> int:
     device, threads = take(args, "--device", True) or "cpu", take(args, "--threads", True) or "1"
     rate = take(args, "--max-bytes-per-second", True)
     give_up = take(args, "--give-up-after", True) or str(int(GIVE_UP))
+    vllm_python = take(args, "--vllm-python", True)
     numbers = [x for x in (threads, rate, give_up) if x is not None]
     if not url or not token or args or not all(x.isdigit() for x in numbers):
         from asyncrl.errors import ConfigError
 
         raise ConfigError("usage: asyncrl worker --join URL --token T [--dir DIR] [--device cpu] "
-                          "[--threads N] [--max-bytes-per-second B] [--give-up-after SECONDS]")
+                          "[--threads N] [--max-bytes-per-second B] [--give-up-after SECONDS] "
+                          "[--vllm-python PYTHON]")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
     try:
         worker = kind(url, token, Path(workdir), device, int(threads), int(rate) if rate else None,
-                      float(give_up))
+                      float(give_up), vllm_python)
         asyncio.run(worker.run())
     except WorkerStopped as e:
         print(f"asyncrl worker: stopped: {e}", file=sys.stderr)

@@ -40,6 +40,9 @@ class Roster:
         """`db`: the ledger's connection (asyncrl/store/ledger.py)."""
         self.db = db
         self.db.executescript(SCHEMA)
+        # (a restarted orchestrator: what was given out before is issued again, by the router)
+        self._tx("UPDATE leases SET state = 'expired', ended = ?, reason = 'the orchestrator restarted' "
+                 "WHERE state = 'issued'", (time.time(),))
 
     def _tx(self, sql: str, args: tuple) -> None:
         with self.db:
