@@ -144,7 +144,7 @@ def start_worker(run_dir: Path, name: str, kind: str = "honest", *extra: str) ->
                             start_new_session=True)
 
 
-def join_paused(run_dir: Path, workers: dict) -> dict[str, subprocess.Popen]:
+def join_paused(run_dir: Path, workers: dict, deadline: float = 240) -> dict[str, subprocess.Popen]:
     """Workers started while the run is paused; it resumes once each polls holding the served version."""
     request(run_dir, "POST", "/pause")
     started = {name: start_worker(run_dir, name, *how) for name, how in workers.items()}
@@ -154,7 +154,7 @@ def join_paused(run_dir: Path, workers: dict) -> dict[str, subprocess.Popen]:
         listed = {w["name"]: w for w in request(run_dir, "GET", "/workers")["workers"]}
         return all(listed[n]["routed"] and listed[n]["version"] == served for n in workers)
 
-    poll(ready, 240, lambda: f"workers ready: {request(run_dir, 'GET', '/workers')}")
+    poll(ready, deadline, lambda: f"workers ready: {request(run_dir, 'GET', '/workers')}")
     request(run_dir, "POST", "/resume")
     return started
 

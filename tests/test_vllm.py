@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from conftest import job_config
+from conftest import job_args, job_config
 
 from asyncrl.run.launcher import train
 from asyncrl.rundir import RunDir
@@ -75,3 +75,34 @@ def test_routing_replay_on_vllm_takes_its_routed_experts(tmp_path):
     run_dir = train(cfg, log=lambda *a, **k: None)
     for t in read_batch(RunDir(run_dir).batch(0)):
         assert routing.unpack(t.routing).shape == (len(t.tokens) - 1, 2, 2)
+
+
+def test_a_worker_joins_with_vllm_and_its_samples_pass_the_recompute(tiny_model, tmp_path):
+    """A run of asyncrl's own engine with a joined worker serving vLLM (whole versions reloaded): it is
+    routed, returns samples, and every one recomputed agrees with the trusted float32 copy."""
+    import subprocess
+    import sys
+
+    from test_swarm import join_paused, leases
+
+    from asyncrl.files import poll
+    from asyncrl.observe.events import read_events
+
+    args = job_args(tmp_path, tiny_model, **{
+        "run.steps": 12, "task.eval_size": 0, "workers.enabled": True, "workers.verify_fraction": 0.5,
+        "workers.load_grace_seconds": 30})
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir, workers = tmp_path / "runs" / "job", {}
+    try:
+        poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
+             "the gateway")
+        workers = join_paused(run_dir, {"vllm": ("honest", "--vllm-python", VLLM_PYTHON)}, deadline=600)
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        for w in [proc, *workers.values()]:
+            w.kill()
+    assert leases(run_dir).get(("vllm", "returned"), 0) >= 1
+    summary = next(e for e in read_events(run_dir) if e["event"] == "workers_summary")["workers"]["vllm"]
+    assert summary["checked"] >= 1 and summary["failed"] == 0 and summary["shut_out"] is None, summary

@@ -20,6 +20,8 @@ class WorkersConfig(Section):
     # the share of each worker's samples whose logprobs a trusted model recomputes under the claimed
     # version; doubled for a new worker, halved for a proven one (asyncrl/swarm/trust.py)
     verify_fraction: float = Field(0.1, ge=0, le=1)
+    # where the orchestrator's trusted copy of the policy recomputes (a GPU of its node: "cuda:0")
+    verify_device: str = "cpu"
     # a recomputed sample fails when its tokens' mean |claimed - recomputed| logprob exceeds this, or one
     # token's exceeds 20x this; 0: by the serving dtype (float32 0.002, bfloat16 0.06: docs/untrusted.md)
     tolerance: float = Field(0.0, ge=0)

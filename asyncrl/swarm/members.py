@@ -44,7 +44,8 @@ class Swarm:
         self.roster = Roster(ledger.db)
         self.members: dict[str, JoinedWorker] = {}
         self.seen = Seen()
-        self.recomputer = Recomputer(cfg.model.path, run_dir, keep=cfg.rollout.max_staleness + 4)
+        self.recomputer = Recomputer(cfg.model.path, run_dir, keep=cfg.rollout.max_staleness + 4,
+                                     device=self.cfg.verify_device)
         self.unchecked = 0  # samples drawn for a recompute that could not have one (reported sparingly)
         self.tolerance = self.cfg.tolerance or TOLERANCE.get(cfg.inference.dtype, TOLERANCE["bfloat16"])
         self.rng = random.Random(cfg.run.seed + 35)

@@ -36,9 +36,9 @@ class Verdict:
 
 
 class Recomputer:
-    def __init__(self, model_path: str, run_dir, keep: int):
+    def __init__(self, model_path: str, run_dir, keep: int, device: str = "cpu"):
         """`keep`: versions held in memory (the trainer prunes its files soon after they are served)."""
-        self.model_path, self.run_dir, self.keep = model_path, RunDir(run_dir), keep
+        self.model_path, self.run_dir, self.keep, self.device = model_path, RunDir(run_dir), keep, device
         self.model, self.held = None, None  # the policy, and the version it holds
         self.states: dict[int, asyncio.Future] = {}  # version -> its weights (read once, when first named)
         self.lock = asyncio.Lock()
@@ -77,14 +77,14 @@ class Recomputer:
 
     def _check(self, prompt, completion, claimed, versions, states, temperature) -> Verdict:
         start = time.perf_counter()
-        ids = torch.tensor([prompt + completion])
+        ids = torch.tensor([prompt + completion], device=self.device)
         recomputed = torch.zeros(len(completion))
         for version, state in states.items():
             self._hold(version, state)
             with torch.inference_mode():
                 logits = self.model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
             logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-            picked = logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+            picked = logp.gather(1, torch.tensor(completion, device=self.device)[:, None]).squeeze(1).cpu()
             here = torch.tensor(versions) == version
             recomputed[here] = picked[here]
         diff = (recomputed - torch.tensor(claimed, dtype=torch.float32)).abs()
@@ -97,6 +97,7 @@ class Recomputer:
             from asyncrl.policy.model import load_policy
 
             self.model, _ = load_policy(self.model_path)
+            self.model.to(self.device)
             self.held = 0
         if version != self.held:
             self.model.load_state_dict(state, strict=False)
