@@ -40,6 +40,7 @@ class Refused(Exception):
 class Swarm:
     def __init__(self, cfg, run_dir: Path, router, ledger, events, tokenizer):
         self.cfg, self.run_dir, self.router, self.events = cfg.workers, run_dir, router, events
+        self.request_deadline = cfg.timeouts.http  # the longest a lease may be held
         self.model_path, self.tokenizer = cfg.model.path, tokenizer
         self.roster = Roster(ledger.db)
         self.members: dict[str, JoinedWorker] = {}

@@ -33,6 +33,7 @@ class Lease:
     delivered: set = field(default_factory=set)
     heard: float = 0.0  # monotonic: taken, named in a poll, or answered
     taken: bool = False
+    taken_at: float = 0.0
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def body(self) -> dict:
@@ -139,10 +140,16 @@ class JoinedWorker:
             raise lease.error
 
     def _check(self, lease: Lease) -> None:
-        """Raise if the lease is lost: the worker was shut out, stopped polling, or dropped this work."""
-        silent = time.monotonic() - (lease.heard if lease.taken else self.last_seen)
-        if self.shut_out or silent > self.swarm.cfg.lease_seconds:
-            why = self.shut_out or f"silent on it for {silent:.0f}s (workers.lease_seconds)"
+        """Raise if the lease is lost: the worker was shut out, stopped polling, dropped this work, or has
+        held it longer than a replica may take over a request (timeouts.http: a worker naming work it
+        never returns would otherwise hold its groups, and with them admission, for ever)."""
+        now = time.monotonic()
+        silent = now - (lease.heard if lease.taken else self.last_seen)
+        held = now - lease.taken_at if lease.taken else 0.0
+        if self.shut_out or silent > self.swarm.cfg.lease_seconds or held > self.swarm.request_deadline:
+            why = self.shut_out or (f"silent on it for {silent:.0f}s (workers.lease_seconds)"
+                                    if silent > self.swarm.cfg.lease_seconds else
+                                    f"held for {held:.0f}s (timeouts.http)")
             if lease.taken:
                 self.swarm.roster.end(lease.id, "expired", why)
             raise InferenceUnavailable(f"joined worker {self.name} lost lease {lease.id}: {why}")
@@ -153,6 +160,7 @@ class JoinedWorker:
             return None
         lease = self.waiting.pop(0)
         lease.taken, lease.heard = True, time.monotonic()
+        lease.taken_at = lease.heard
         self.first_version = lease.issued_version if self.first_version is None else self.first_version
         self.leases[lease.id] = lease
         self.swarm.roster.issue(lease.id, self.name, lease.digests, lease.issued_version)
