@@ -31,6 +31,7 @@ from asyncrl.control.ctl import request  # noqa: E402
 from asyncrl.observe.events import read_events  # noqa: E402
 from asyncrl.observe.report import read_metrics  # noqa: E402
 from asyncrl.rundir import RunDir  # noqa: E402
+from asyncrl.swarm import quarantine  # noqa: E402
 from benchmarks.tables import OUT, write_rows  # noqa: E402
 
 MODEL = os.environ.get("ASYNCRL_TEST_MODEL", str(ROOT / "models" / "tiny-default"))
@@ -95,19 +96,26 @@ def finish(proc: subprocess.Popen, workers: list[subprocess.Popen], deadline: fl
             w.wait(30)
 
 
-def trained(run_dir: Path, worker: str) -> tuple[int, int]:
-    """(samples of `worker` in trained batches left unmasked, masked ones)."""
+def trained(run_dir: Path, worker: str) -> dict:
+    """`worker`'s samples in trained batches: unmasked and unverified, unmasked and verified, masked."""
+    verified = set(quarantine.read(run_dir).get(worker, {}).get("verified", []))
     db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
-    rows = db.execute("SELECT reason, COUNT(*) FROM samples WHERE step IS NOT NULL AND "
-                      "json_extract(data, '$.info.worker') = ? GROUP BY reason", (worker,)).fetchall()
+    rows = db.execute("SELECT reason, json_extract(data, '$.info.check') FROM samples WHERE step IS NOT NULL "
+                      "AND json_extract(data, '$.info.worker') = ?", (worker,)).fetchall()
     db.close()
-    counts = {reason: n for reason, n in rows}
-    return sum(n for r, n in counts.items() if r != "quarantined_masked"), counts.get("quarantined_masked", 0)
+    out = {"trained_unverified": 0, "trained_verified": 0, "masked": 0}
+    for reason, check in rows:
+        key = "masked" if reason == "quarantined_masked" else \
+            "trained_verified" if check in verified else "trained_unverified"
+        out[key] += 1
+    return out
 
 
 def summary(run_dir: Path) -> dict:
     events = read_events(run_dir)
     return {"summary": next(e for e in events if e["event"] == "workers_summary"),
+            "too_stale": sum(e["event"] == "group_dropped" and e.get("reason") == "too_stale"
+                             for e in events),
             "quarantined": {e["worker"]: e for e in events if e["event"] == "worker_quarantined"},
             "train_seconds": sum(r.get("train_seconds", 0) for r in read_metrics(run_dir)[0])}
 
@@ -119,9 +127,9 @@ def tamper(kind: str, steps: int) -> dict:
     finish(proc, workers, 1200)
     s = summary(run_dir)
     w, q = s["summary"]["workers"].get(kind, {}), s["quarantined"].get(kind)
-    kept, masked = trained(run_dir, kind)
-    row = {"kind": kind, "returned": w.get("samples", 0), "trained": kept, "masked": masked,
-           "share_trained": round(kept / max(w.get("samples", 0), 1), 3),
+    counts = trained(run_dir, kind)
+    row = {"kind": kind, "returned": w.get("samples", 0), **counts,
+           "share_trained_unverified": round(counts["trained_unverified"] / max(w.get("samples", 0), 1), 3),
            "versions_to_quarantine": q["version"] - q["first_version"] if q else None,
            "checked": w.get("checked"), "refused": w.get("refused"),
            "honest_quarantined": "honest" in s["quarantined"],
@@ -146,6 +154,7 @@ def honest(dtype: str, fraction: float, steps: int) -> dict:
            "tolerance": s["summary"]["tolerance"],
            "recompute_s": s["summary"]["recompute_seconds"], "trainer_s": round(s["train_seconds"], 2),
            "cost_share": round(s["summary"]["recompute_seconds"] / max(s["train_seconds"], 1e-9), 4),
+           "groups_too_stale": s["too_stale"],
            "effective_fraction": round(checked / max(returned, 1), 4)}
     print(json.dumps(row), flush=True)
     return row
@@ -169,7 +178,38 @@ def main() -> None:
         runs += [("float32", float(f)) for f in args.fractions.split(",") if float(f) != 0.25]
         results["honest"] = [honest(d, f, args.honest_steps) for d, f in runs]
         write_rows("verification_honest", results["honest"])
-    (OUT / "verification.json").write_text(json.dumps(results, indent=1))
+    path.write_text(json.dumps(results, indent=1))
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = results.get("tamper", [])
+    kinds = [r["kind"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, colour in (("trained_unverified", "tab:red"), ("trained_verified", "tab:orange"),
+                        ("masked", "tab:gray")):
+        share = [r[key] / max(r["returned"], 1) for r in rows]
+        left.bar(kinds, share, color=colour, label=key, bottom=bottom)
+        bottom = [b + s for b, s in zip(bottom, share)]
+    left.set_ylabel("share of the cheat's samples in a trained batch")
+    left.set_title("dishonest workers (each beside an honest one)")
+    left.legend()
+    honest = results.get("honest", [])
+    labels = [f"{r['dtype']}\n{r['fraction']}" for r in honest]
+    right.bar(labels, [r["mean_diff_max"] for r in honest], color="tab:green", label="largest mean |Δ| seen")
+    right.scatter(labels, [r["tolerance"] for r in honest], color="black", marker="_", s=400,
+                  label="tolerance")
+    right.set_yscale("log")
+    right.set_title("honest workers: recompute differences (no false quarantine)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "verification.png", dpi=100)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -133,9 +135,12 @@ def test_a_fetch_resumes_where_it_stopped_and_refuses_bytes_that_are_not_their_h
     assert not (tmp_path / "wrong").exists() and not (tmp_path / "wrong.part").exists()
 
 
+TOKENS: dict[str, str] = {}
+
+
 def start_worker(run_dir: Path, name: str, kind: str = "honest", *extra: str) -> subprocess.Popen:
-    """A worker process (and its inference server) in a session of its own: killed together."""
-    token = request(run_dir, "POST", "/workers/add", {"name": name})["token"]
+    """A worker process (its inference server dies with it) in a session of its own."""
+    token = TOKENS[name] = request(run_dir, "POST", "/workers/add", {"name": name})["token"]
     url = json.loads(RunDir(run_dir).gateway.read_text())["url"]
     return subprocess.Popen([sys.executable, str(TESTS / "dishonest.py"), kind, "--join", url,
                              "--token", token, "--dir", str(run_dir.parent / name), "--give-up-after", "5",
@@ -157,6 +162,24 @@ def join_paused(run_dir: Path, workers: dict, deadline: float = 240) -> dict[str
     poll(ready, deadline, lambda: f"workers ready: {request(run_dir, 'GET', '/workers')}")
     request(run_dir, "POST", "/resume")
     return started
+
+
+def gateway_status(run_dir: Path, token: str) -> tuple[int, str]:
+    url = json.loads(RunDir(run_dir).gateway.read_text())["url"]
+    req = urllib.request.Request(f"{url}/v1/join", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def ctl_output(run_dir: Path, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "ctl", str(run_dir), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def leases(run_dir: Path) -> dict[tuple[str, str], int]:
@@ -185,7 +208,7 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
     a clean audit, the killed one's work issued again, the cheat quarantined and none of its unverified
     samples trained after that."""
     args = job_args(tmp_path, tiny_model, **{
-        "run.steps": 30, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
+        "run.steps": 40, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
         "workers.enabled": True, "workers.lease_seconds": 3, "workers.verify_fraction": 0.25,
         "workers.load_grace_seconds": 5})
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
@@ -197,6 +220,11 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
         workers = join_paused(run_dir, {"doomed": ("honest",), "cheat": ("token",)})
         stop_holding_work(workers["doomed"], run_dir, "doomed")
         os.killpg(workers["doomed"].pid, signal.SIGKILL)
+        poll(lambda: leases(run_dir).get(("doomed", "expired")), 60, "the dead worker's lease to expire")
+        request(run_dir, "POST", "/workers/revoke", {"name": "doomed"})
+        assert gateway_status(run_dir, TOKENS["doomed"]) == (403, "worker doomed is revoked")
+        assert gateway_status(run_dir, "w-not-a-token")[0] == 401
+        assert "doomed: revoked" in ctl_output(run_dir, "workers")
         workers.update(join_paused(run_dir, {"late": ("honest", "--max-bytes-per-second", "8000000")}))
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-3000:]
@@ -205,7 +233,7 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
             if w.poll() is None:
                 os.killpg(w.pid, signal.SIGKILL) if w is not proc else w.kill()
     report = audit(run_dir, 2)
-    assert report["problems"] == [] and report["steps_committed"] == 30, report
+    assert report["problems"] == [] and report["steps_committed"] == 40, report
     assert set(report["samples_dropped"]) <= {"too_stale", "refused", "quarantined"}, report
     held = leases(run_dir)
     assert held.get(("doomed", "expired"), 0) >= 1, held  # its work went elsewhere

@@ -22,7 +22,7 @@ from pathlib import Path
 from asyncrl.orchestrator.replicas import Replica
 from asyncrl.swarm import quarantine
 from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group
-from asyncrl.swarm.recompute import TOLERANCE, Recomputer
+from asyncrl.swarm.recompute import TOLERANCE, Recomputer, Sample
 from asyncrl.swarm.remote import JoinedWorker
 from asyncrl.swarm.roster import Roster
 from asyncrl.swarm.trust import START, Trust
@@ -160,8 +160,8 @@ class Swarm:
             await self._release()
 
     async def _judge(self, m: JoinedWorker, check: str, prompt: list[int], c: dict, temperature: float):
-        verdict = await self.recomputer.check(prompt, c["token_ids"], c["logprobs"]["token_logprobs"],
-                                              c["versions"], temperature)
+        verdict = await self.recomputer.check(Sample(prompt, c["token_ids"], c["logprobs"]["token_logprobs"],
+                                                     c["versions"], temperature))
         if m.shut_out:  # (checks queued before it was shut out: nothing more to learn)
             return
         if verdict.error:
