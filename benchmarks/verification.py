@@ -164,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=("tamper", "honest"))
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--honest-steps", type=int, default=220)
+    parser.add_argument("--honest-steps", type=int, default=280)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--fractions", default="0.05,0.1,0.25")
     args = parser.parse_args()
