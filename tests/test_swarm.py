@@ -89,6 +89,10 @@ def test_trust_quarantines_a_cheat_fast_and_checks_a_proven_worker_less():
     proven.failed_recompute()
     proven.failed_recompute()
     assert not proven.out(0.2)  # a proven worker survives two (honest noise is far below the tolerance)
+    proven.excess, proven.tokens = 0.5, 199
+    assert proven.drift() is None  # (too few tokens to tell)
+    proven.tokens = 250
+    assert proven.drift() == 0.002
 
 
 def test_the_trainer_masks_only_unverified_samples_of_a_quarantined_worker(tmp_path):

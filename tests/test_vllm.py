@@ -79,7 +79,8 @@ def test_routing_replay_on_vllm_takes_its_routed_experts(tmp_path):
 
 def test_a_worker_joins_with_vllm_and_its_samples_pass_the_recompute(tiny_model, tmp_path):
     """A run of asyncrl's own engine with a joined worker serving vLLM (whole versions reloaded): it is
-    routed, returns samples, and every one recomputed agrees with the trusted float32 copy."""
+    routed, returns samples, and every one recomputed agrees with the trusted float32 copy within the
+    tolerance vLLM's float noise needs (0.05; up to 0.011 per sample seen), its drift under the default."""
     import subprocess
     import sys
 
@@ -90,7 +91,7 @@ def test_a_worker_joins_with_vllm_and_its_samples_pass_the_recompute(tiny_model,
 
     args = job_args(tmp_path, tiny_model, **{
         "run.steps": 12, "task.eval_size": 0, "workers.enabled": True, "workers.verify_fraction": 0.5,
-        "workers.load_grace_seconds": 30})
+        "workers.load_grace_seconds": 30, "workers.tolerance": 0.05})  # (vLLM's kernels: docs/untrusted.md)
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     run_dir, workers = tmp_path / "runs" / "job", {}

@@ -25,6 +25,10 @@ class WorkersConfig(Section):
     # a recomputed sample fails when its tokens' mean |claimed - recomputed| logprob exceeds this, or one
     # token's exceeds 20x this; 0: by the serving dtype (float32 0.002, bfloat16 0.06: docs/untrusted.md)
     tolerance: float = Field(0.0, ge=0)
+    # a worker whose recomputed tokens' claimed logprobs exceed the trusted model's by more than this many
+    # nats per token on average (over 200 tokens at least) is quarantined; 0: by the serving dtype
+    # (asyncrl/swarm/recompute.py DRIFT; docs/untrusted.md)
+    max_drift: float = Field(0.0, ge=0)
     # trust in [0, 1]: a new worker starts at 0.5, a passed check moves it towards 1, a failed recompute
     # takes 0.25, a failed cheap check 0.5; below this the worker is quarantined
     quarantine_below: float = Field(0.2, ge=0, lt=0.5)

@@ -22,7 +22,7 @@ from pathlib import Path
 from asyncrl.orchestrator.replicas import Replica
 from asyncrl.swarm import quarantine
 from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group
-from asyncrl.swarm.recompute import TOLERANCE, Recomputer, Sample
+from asyncrl.swarm.recompute import DRIFT, TOLERANCE, Recomputer, Sample
 from asyncrl.swarm.remote import JoinedWorker
 from asyncrl.swarm.roster import Roster
 from asyncrl.swarm.trust import START, Trust
@@ -49,6 +49,7 @@ class Swarm:
                                      device=self.cfg.verify_device)
         self.unchecked = 0  # samples drawn for a recompute that could not have one (reported sparingly)
         self.tolerance = self.cfg.tolerance or TOLERANCE.get(cfg.inference.dtype, TOLERANCE["bfloat16"])
+        self.max_drift = self.cfg.max_drift or DRIFT.get(cfg.inference.dtype, DRIFT["bfloat16"])
         self.rng = random.Random(cfg.run.seed + 35)
         self.epoch = secrets.token_hex(4)  # in every lease id: a lease from before a restart is known as such
         self.verified: dict[str, set[str]] = {}  # by worker: its samples a recompute passed
@@ -171,6 +172,8 @@ class Swarm:
                                   error=verdict.error)
             return
         self.verdicts.setdefault(m.name, []).append((verdict.mean, verdict.most))
+        m.trust.excess += verdict.excess
+        m.trust.tokens += verdict.tokens
         if verdict.fails(self.tolerance):
             m.trust.failed_recompute()
             self.events.write("recompute_failed", worker=m.name, check=check, mean=round(verdict.mean, 5),
@@ -180,9 +183,13 @@ class Swarm:
             m.trust.passed()
             self.verified.setdefault(m.name, set()).add(check)
         self._save(m)
+        drift = m.trust.drift()
         if m.trust.out(self.cfg.quarantine_below) and not m.shut_out:
             self.quarantine(m, f"{m.trust.failed} of {m.trust.checked} recomputed samples disagreed (mean "
                                f"|Δ logprob| {verdict.mean:.4f}, tolerance {self.tolerance})")
+        elif drift is not None and drift > self.max_drift and not m.shut_out:
+            self.quarantine(m, f"its claimed logprobs exceed the trusted model's by {drift:.4f} nats per "
+                               f"token over {m.trust.tokens} recomputed tokens (max_drift {self.max_drift})")
 
     def _cheap_failure(self, m: JoinedWorker, reason: str, samples: int = 1) -> None:
         m.trust.failed_cheap(samples)
@@ -247,7 +254,7 @@ class Swarm:
             task.cancel()
         await asyncio.gather(*self.checks, return_exceptions=True)
         self.events.write("workers_summary", recompute_seconds=round(self.recomputer.seconds, 3),
-                          tolerance=self.tolerance,
+                          tolerance=self.tolerance, max_drift=self.max_drift,
                           workers={name: self._summary(m) for name, m in self.members.items()})
 
     def _summary(self, m: JoinedWorker) -> dict:
@@ -261,6 +268,7 @@ class Swarm:
 
         t = m.trust
         return {"samples": m.samples, "tokens": m.tokens, "checked": t.checked, "failed": t.failed,
+                "drift": round(t.excess / t.tokens, 7) if t.tokens else None, "recomputed_tokens": t.tokens,
                 "refused": t.rejected, "trust": round(t.score, 3), "shut_out": m.shut_out,
                 "mean_diff": quantiles(0), "most_diff": quantiles(1)}
 

@@ -22,6 +22,8 @@ from asyncrl.transports import weights
 
 # honest workers' noise, by the dtype they serve in, against this float32 recompute (docs/untrusted.md)
 TOLERANCE = {"float32": 0.002, "bfloat16": 0.06, "float16": 0.02}
+# the largest drift (mean claimed - recomputed, nats per token) an honest worker may show, by dtype
+DRIFT = {"float32": 0.001, "bfloat16": 0.01, "float16": 0.005}
 ONE_TOKEN = 20  # one token may differ by this many times the tolerance
 BACKLOG = 2000  # samples waiting for a recompute beyond which a new one goes unchecked
 BATCH = 32  # samples recomputed in one forward pass
@@ -33,6 +35,8 @@ class Verdict:
     most: float  # the largest
     seconds: float  # the recompute's compute
     error: str | None = None  # the version's weights are gone (pruned): not checked
+    excess: float = 0.0  # sum of (claimed - recomputed) over the tokens (asyncrl/swarm/trust.py: drift)
+    tokens: int = 0
 
     def fails(self, tolerance: float) -> bool:
         return self.error is None and (self.mean > tolerance or self.most > ONE_TOKEN * tolerance)
@@ -116,8 +120,10 @@ class Recomputer:
         self.seconds += seconds
         verdicts = []
         for s, r in zip(samples, recomputed):
-            diff = (r - torch.tensor(s.claimed, dtype=torch.float32)).abs()
-            verdicts.append(Verdict(float(diff.mean()), float(diff.max()), seconds / len(samples)))
+            signed = torch.tensor(s.claimed, dtype=torch.float32) - r
+            diff = signed.abs()
+            verdicts.append(Verdict(float(diff.mean()), float(diff.max()), seconds / len(samples),
+                                    excess=float(signed.sum()), tokens=len(s.completion)))
         return verdicts
 
     def _logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
