@@ -206,7 +206,7 @@ def plot(results: dict) -> None:
     right.scatter(labels, [r["tolerance"] for r in honest], color="black", marker="_", s=400,
                   label="tolerance")
     right.set_yscale("log")
-    right.set_title("honest workers: recompute differences (no false quarantine)")
+    right.set_title("honest workers: largest recompute difference")
     right.legend()
     fig.tight_layout()
     fig.savefig(OUT / "verification.png", dpi=100)

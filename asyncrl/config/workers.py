@@ -18,12 +18,13 @@ class WorkersConfig(Section):
     # until it holds it (a slow link slows no one else)
     load_grace_seconds: float = Field(2.0, gt=0)
     # the share of each worker's samples whose logprobs a trusted model recomputes under the claimed
-    # version; doubled for a new worker, halved for a proven one (asyncrl/swarm/trust.py)
+    # version; four times this for a new worker, half for a proven one (asyncrl/swarm/trust.py)
     verify_fraction: float = Field(0.1, ge=0, le=1)
     # where the orchestrator's trusted copy of the policy recomputes (a GPU of its node: "cuda:0")
     verify_device: str = "cpu"
     # a recomputed sample fails when its tokens' mean |claimed - recomputed| logprob exceeds this, or one
-    # token's exceeds 20x this; 0: by the serving dtype (float32 0.002, bfloat16 0.06: docs/untrusted.md)
+    # token's exceeds 20x this; 0: by the serving dtype (float32 0.002, bfloat16 0.25: docs/untrusted.md;
+    # a vLLM worker's kernels need ~0.05 in float32)
     tolerance: float = Field(0.0, ge=0)
     # a worker whose recomputed tokens' claimed logprobs exceed the trusted model's by more than this many
     # nats per token on average (over 200 tokens at least) is quarantined; 0: by the serving dtype

@@ -126,7 +126,8 @@ class Swarm:
             raise Refused(403, f"worker {m.name} is {m.shut_out}")
         lease.delivered.add(index)
         m.samples += len(choices)
-        out = [self._refused(m, r) if r else self._accepted(m, lease, index, c)
+        drawn: set[tuple] = set()  # the completions of this group drawn for a recompute
+        out = [self._refused(m, r) if r else self._accepted(m, lease, index, c, drawn)
                for c, r in zip(choices, reasons)]
         lease.on_group(index, out)
         if len(lease.delivered) == len(lease.prompts):
@@ -137,13 +138,18 @@ class Swarm:
         return {"finish_reason": "abort", "refused": True, "token_ids": [], "versions": [], "text": "",
                 "logprobs": {"token_logprobs": []}, "error": f"joined worker {m.name}: refused: {reason}"}
 
-    def _accepted(self, m: JoinedWorker, lease, index: int, c: dict) -> dict:
+    def _accepted(self, m: JoinedWorker, lease, index: int, c: dict, drawn: set) -> dict:
         """The sample as the run takes it: its text decoded here (a worker's text is not read), its worker
-        named, and perhaps a recompute scheduled."""
+        named, and perhaps a recompute scheduled (not of a completion its group has drawn already: two
+        identical samples are one piece of evidence, and counted twice a bfloat16 worker's one unusual
+        answer cost it two failures)."""
         c = {k: c[k] for k in KEPT}
         c.update(text=self.tokenizer.decode(c["token_ids"], skip_special_tokens=True), worker=m.name)
         m.tokens += len(c["token_ids"])
-        if c["finish_reason"] != "abort" and self.rng.random() < m.trust.fraction(self.cfg.verify_fraction):
+        again = tuple(c["token_ids"]) in drawn
+        if c["finish_reason"] != "abort" and not again \
+                and self.rng.random() < m.trust.fraction(self.cfg.verify_fraction):
+            drawn.add(tuple(c["token_ids"]))
             c["check"] = f"{lease.id}.{index}.{len(lease.delivered)}.{self.rng.getrandbits(32):08x}"
             self.pending.add(c["check"])
             task = asyncio.get_running_loop().create_task(
