@@ -89,6 +89,11 @@ class Router:
                 await r.client.__aexit__(None, None, None)
         self.stager.close()
 
+    def add(self, index: int, info: dict, client) -> None:
+        """A replica found another way than its file (a joined worker: asyncrl/swarm/), routed by the
+        watcher once it holds the served version."""
+        self.replicas[index] = Replica(index, info, client)
+
     def _discover(self) -> list[int]:
         """Read every replica file: new replicas get a client; an unrouted one follows its file's URL (a
         restarted server may have another port)."""

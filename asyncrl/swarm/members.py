@@ -19,7 +19,6 @@ import random
 import secrets
 from pathlib import Path
 
-from asyncrl.orchestrator.replicas import Replica
 from asyncrl.swarm import quarantine
 from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group
 from asyncrl.swarm.recompute import DRIFT, TOLERANCE, Recomputer, Sample
@@ -76,7 +75,7 @@ class Swarm:
             trust = Trust(record["trust"], record["checked"], record["failed"], record["rejected"])
             m = self.members[record["name"]] = JoinedWorker(record["name"], self, trust)
             index = FIRST_INDEX + len(self.members) - 1
-            self.router.replicas[index] = Replica(index, {"url": m.url, "worker": m.name}, m)
+            self.router.add(index, {"url": m.url, "worker": m.name}, m)
             self.events.write("worker_joined", worker=m.name, replica=index, trust=round(trust.score, 3))
         return m
 
