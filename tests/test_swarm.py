@@ -206,13 +206,13 @@ def stop_holding_work(worker: subprocess.Popen, run_dir: Path, name: str) -> Non
 
 
 @pytest.mark.e2e
-def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_path):
-    """One worker is frozen then killed while it holds work, one cheats (a token changed in every sample),
-    one joins mid-run fetching at 8 MB/s (a 4-MB version in ~0.5 s: within the 5-s grace); the run ends with
-    a clean audit, the killed one's work issued again, the cheat quarantined and none of its unverified
-    samples trained after that."""
+def test_a_worker_dies_holding_work_and_a_cheat_joins_late_on_a_slow_link(tiny_model, tmp_path):
+    """One worker is frozen, then killed, while it holds work: its lease expires and its groups go
+    elsewhere; it is revoked. A second joins mid-run fetching at 8 MB/s (a 4-MB version in ~0.5 s, within
+    the 5-s grace) and cheats (a token changed in every sample): it is quarantined. The run ends with a
+    clean audit, and none of the cheat's unverified samples is trained after the quarantine."""
     args = job_args(tmp_path, tiny_model, **{
-        "run.steps": 40, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
+        "run.steps": 30, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
         "workers.enabled": True, "workers.lease_seconds": 3, "workers.verify_fraction": 0.25,
         "workers.load_grace_seconds": 5})
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
@@ -221,7 +221,7 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
     try:
         poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
              "the gateway")
-        workers = join_paused(run_dir, {"doomed": ("honest",), "cheat": ("token",)})
+        workers = join_paused(run_dir, {"doomed": ("honest",)})
         stop_holding_work(workers["doomed"], run_dir, "doomed")
         os.killpg(workers["doomed"].pid, signal.SIGKILL)
         poll(lambda: leases(run_dir).get(("doomed", "expired")), 60, "the dead worker's lease to expire")
@@ -229,7 +229,7 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
         assert gateway_status(run_dir, TOKENS["doomed"]) == (403, "worker doomed is revoked")
         assert gateway_status(run_dir, "w-not-a-token")[0] == 401
         assert "doomed: revoked" in ctl_output(run_dir, "workers")
-        workers.update(join_paused(run_dir, {"late": ("honest", "--max-bytes-per-second", "8000000")}))
+        workers.update(join_paused(run_dir, {"cheat": ("token", "--max-bytes-per-second", "8000000")}))
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-3000:]
     finally:
@@ -237,13 +237,10 @@ def test_workers_that_die_join_late_on_a_slow_link_and_cheat(tiny_model, tmp_pat
             if w.poll() is None:
                 os.killpg(w.pid, signal.SIGKILL) if w is not proc else w.kill()
     report = audit(run_dir, 2)
-    assert report["problems"] == [] and report["steps_committed"] == 40, report
+    assert report["problems"] == [] and report["steps_committed"] == 30, report
     assert set(report["samples_dropped"]) <= {"too_stale", "refused", "quarantined"}, report
-    held = leases(run_dir)
-    assert held.get(("doomed", "expired"), 0) >= 1, held  # its work went elsewhere
-    assert held.get(("late", "returned"), 0) >= 1, held
-    events = read_events(run_dir)
-    shut = [e for e in events if e["event"] == "worker_quarantined"]
+    assert leases(run_dir).get(("doomed", "expired"), 0) >= 1  # its work went elsewhere
+    shut = [e for e in read_events(run_dir) if e["event"] == "worker_quarantined"]
     assert [e["worker"] for e in shut] == ["cheat"] and "recomputed samples disagreed" in shut[0]["reason"]
     db = sqlite3.connect(f"file:{RunDir(run_dir).ledger}?mode=ro", uri=True)
     verified = set(quarantine.read(run_dir)["cheat"]["verified"])
