@@ -142,6 +142,21 @@ def test_a_fetch_resumes_where_it_stopped_and_refuses_bytes_that_are_not_their_h
 TOKENS: dict[str, str] = {}
 
 
+def start_run(tmp_path: Path, model: str, **overrides) -> tuple[subprocess.Popen, Path]:
+    """A run through the CLI that takes joined workers, once its gateway and control API are up."""
+    args = job_args(tmp_path, model, **{"task.eval_size": 0, "workers.enabled": True, **overrides})
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "runs" / "job"
+    try:
+        poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
+             "the gateway")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, run_dir
+
+
 def start_worker(run_dir: Path, name: str, kind: str = "honest", *extra: str) -> subprocess.Popen:
     """A worker process (its inference server dies with it) in a session of its own."""
     token = TOKENS[name] = request(run_dir, "POST", "/workers/add", {"name": name})["token"]
@@ -211,16 +226,11 @@ def test_a_worker_dies_holding_work_and_a_cheat_joins_late_on_a_slow_link(tiny_m
     elsewhere; it is revoked. A second joins mid-run fetching at 8 MB/s (a 4-MB version in ~0.5 s, within
     the 5-s grace) and cheats (a token changed in every sample): it is quarantined. The run ends with a
     clean audit, and none of the cheat's unverified samples is trained after the quarantine."""
-    args = job_args(tmp_path, tiny_model, **{
-        "run.steps": 30, "rollout.max_staleness": 2, "task.eval_size": 0, "trainer.checkpoint_every": 10,
-        "workers.enabled": True, "workers.lease_seconds": 3, "workers.verify_fraction": 0.25,
-        "workers.load_grace_seconds": 5})
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    run_dir, workers = tmp_path / "runs" / "job", {}
+    proc, run_dir = start_run(tmp_path, tiny_model, **{
+        "run.steps": 30, "rollout.max_staleness": 2, "trainer.checkpoint_every": 10,
+        "workers.lease_seconds": 3, "workers.verify_fraction": 0.25, "workers.load_grace_seconds": 5})
+    workers = {}
     try:
-        poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
-             "the gateway")
         workers = join_paused(run_dir, {"doomed": ("honest",)})
         stop_holding_work(workers["doomed"], run_dir, "doomed")
         os.killpg(workers["doomed"].pid, signal.SIGKILL)

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from conftest import job_args, job_config
+from conftest import job_config
 
 from asyncrl.run.launcher import train
 from asyncrl.rundir import RunDir
@@ -81,23 +81,16 @@ def test_a_worker_joins_with_vllm_and_its_samples_pass_the_recompute(tiny_model,
     """A run of asyncrl's own engine with a joined worker serving vLLM (whole versions reloaded): it is
     routed, returns samples, and every one recomputed agrees with the trusted float32 copy within the
     tolerance vLLM's float noise needs (0.05; up to 0.011 per sample seen), its drift under the default."""
-    import subprocess
-    import sys
 
-    from test_swarm import join_paused, leases
+    from test_swarm import join_paused, leases, start_run
 
-    from asyncrl.files import poll
     from asyncrl.observe.events import read_events
 
-    args = job_args(tmp_path, tiny_model, **{
-        "run.steps": 12, "task.eval_size": 0, "workers.enabled": True, "workers.verify_fraction": 0.5,
-        "workers.load_grace_seconds": 30, "workers.tolerance": 0.05})  # (vLLM's kernels: docs/untrusted.md)
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    run_dir, workers = tmp_path / "runs" / "job", {}
+    proc, run_dir = start_run(tmp_path, tiny_model, **{  # (the tolerance vLLM's kernels need: untrusted.md)
+        "run.steps": 12, "workers.verify_fraction": 0.5, "workers.load_grace_seconds": 30,
+        "workers.tolerance": 0.05})
+    workers = {}
     try:
-        poll(lambda: RunDir(run_dir).gateway.exists() and RunDir(run_dir).control.exists(), 120,
-             "the gateway")
         workers = join_paused(run_dir, {"vllm": ("honest", "--vllm-python", VLLM_PYTHON)}, deadline=600)
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-3000:]

@@ -13,7 +13,6 @@ A revoked or quarantined worker gets 403 with the reason, an unknown token 401.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from aiohttp import web
 from asyncrl.files import write_atomic
 from asyncrl.run.role import FatalError
 from asyncrl.rundir import RunDir
+from asyncrl.swarm.download import sha256_of
 from asyncrl.swarm.members import Refused
 from asyncrl.transports import weights
 
@@ -40,7 +40,7 @@ class Blobs:
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         if key not in self.known:
-            self.known[key] = await asyncio.to_thread(_sha256, path)
+            self.known[key] = await asyncio.to_thread(sha256_of, path)
         self.paths[self.known[key]] = (path, key)
         return {"blob": self.known[key], "size": stat.st_size}
 
@@ -54,14 +54,6 @@ class Blobs:
         except OSError:
             return None
         return path if (str(path), stat.st_size, stat.st_mtime_ns) == key else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_app(swarm, run_dir: Path) -> web.Application:

@@ -35,6 +35,7 @@ class Lease:
     taken: bool = False
     taken_at: float = 0.0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Exception | None = None  # why it ended without its samples
 
     def body(self) -> dict:
         return {"lease": self.id, "prompts": self.prompts, "prompt_sha256": self.digests,
@@ -136,7 +137,7 @@ class JoinedWorker:
             self.leases.pop(lease.id, None)
             if lease in self.waiting:
                 self.waiting.remove(lease)
-        if isinstance(getattr(lease, "error", None), Exception):
+        if lease.error is not None:
             raise lease.error
 
     def _check(self, lease: Lease) -> None:
