@@ -97,8 +97,10 @@ def make_app(swarm, run_dir: Path) -> web.Application:
     async def work(request: web.Request) -> web.Response:
         m, body = request["member"], await _body(request)
         held, working = body.get("version"), body.get("working", [])
-        if type(held) is not int or not isinstance(working, list):
-            return web.json_response({"error": "need an int 'version' and a list 'working'"}, status=400)
+        leases = isinstance(working, list) and all(isinstance(w, str) for w in working)
+        if type(held) is not int or not leases:
+            return web.json_response({"error": "need an int 'version' and 'working': a list of lease ids"},
+                                     status=400)
         m.heard_from(held, working)
 
         def answer():  # (work only for a worker that holds the served version: it samples with it)

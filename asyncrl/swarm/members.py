@@ -65,7 +65,7 @@ class Swarm:
         """The worker this token names, joining it to routing on first sight; Refused if it may not."""
         record = self.roster.who(token)
         if record is None:
-            raise Refused(401, "this worker token is not one of the run's (asyncrl ctl RUN workers list)")
+            raise Refused(401, "this worker token is not one of the run's (asyncrl ctl RUN workers)")
         for state in ("revoked", "quarantined"):
             if record[state]:
                 raise Refused(403, f"worker {record['name']} is {state}" +
@@ -239,8 +239,10 @@ class Swarm:
 
     async def _release(self) -> None:
         """Held groups whose checks are done: dropped if their worker was quarantined, else offered."""
-        done = [g for g in self.held if not any(t.info.get("check") in self.pending for t in g)]
-        self.held = [g for g in self.held if g not in done]
+        waiting, done = [], []
+        for g in self.held:  # (by identity: comparing groups would compare every trajectory's fields)
+            (waiting if any(t.info.get("check") in self.pending for t in g) else done).append(g)
+        self.held = waiting
         for group in done:
             if self.refuses(group):
                 self.drop(group)

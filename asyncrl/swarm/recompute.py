@@ -33,7 +33,6 @@ BATCH = 32  # samples recomputed in one forward pass
 class Verdict:
     mean: float  # mean |claimed - recomputed| over the completion's tokens
     most: float  # the largest
-    seconds: float  # the recompute's compute
     error: str | None = None  # the version's weights are gone (pruned): not checked
     excess: float = 0.0  # sum of (claimed - recomputed) over the tokens (asyncrl/swarm/trust.py: drift)
     tokens: int = 0
@@ -64,13 +63,13 @@ class Recomputer:
 
     async def check(self, sample: Sample) -> Verdict:
         if self.pending >= BACKLOG:
-            return Verdict(0.0, 0.0, 0.0, f"the recompute is {self.pending} samples behind")
+            return Verdict(0.0, 0.0, f"the recompute is {self.pending} samples behind")
         self.pending += 1
         try:
             states = {v: await self._state(v) for v in sorted(set(sample.versions))}  # (now: before pruning)
             if any(state is None for state in states.values()):
                 gone = [v for v, state in states.items() if state is None]
-                return Verdict(0.0, 0.0, 0.0, f"version {gone[0]}'s weights were no longer on disk")
+                return Verdict(0.0, 0.0, f"version {gone[0]}'s weights were no longer on disk")
             verdict = asyncio.get_running_loop().create_future()
             self.queue.append((sample, states, verdict))
             if self.draining is None or self.draining.done():
@@ -88,7 +87,7 @@ class Recomputer:
                 verdicts = await asyncio.to_thread(self._check, [s for s, _, _ in batch], states)
             except Exception as e:  # (a verdict for each: the checks' tasks must not hang)
                 why = f"the recompute failed: {type(e).__name__}: {e}"
-                verdicts = [Verdict(0.0, 0.0, 0.0, why)] * len(batch)
+                verdicts = [Verdict(0.0, 0.0, why)] * len(batch)
             for (_, _, future), verdict in zip(batch, verdicts):
                 if not future.done():
                     future.set_result(verdict)
@@ -116,14 +115,13 @@ class Recomputer:
             for i, logp in zip(rows, self._logprobs([samples[i] for i in rows])):
                 here = torch.tensor(samples[i].versions) == version
                 recomputed[i][here] = logp[here]
-        seconds = time.perf_counter() - start
-        self.seconds += seconds
+        self.seconds += time.perf_counter() - start
         verdicts = []
         for s, r in zip(samples, recomputed):
             signed = torch.tensor(s.claimed, dtype=torch.float32) - r
             diff = signed.abs()
-            verdicts.append(Verdict(float(diff.mean()), float(diff.max()), seconds / len(samples),
-                                    excess=float(signed.sum()), tokens=len(s.completion)))
+            verdicts.append(Verdict(float(diff.mean()), float(diff.max()), excess=float(signed.sum()),
+                                    tokens=len(s.completion)))
         return verdicts
 
     def _logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:

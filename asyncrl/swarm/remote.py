@@ -22,7 +22,7 @@ from asyncrl.swarm.trust import Trust
 LOOK_EVERY = 0.25  # seconds between looks at a waiting request's lease
 
 
-@dataclass
+@dataclass(eq=False)  # (one lease is itself: looked up in lists by identity)
 class Lease:
     id: str
     prompts: list[list[int]]
