@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import inspect
 import os
 import time
@@ -60,3 +61,37 @@ async def apoll(
         if time.monotonic() - start > seconds:
             raise TimeoutError(what() if callable(what) else what)
         await asyncio.sleep(every)
+
+
+@contextlib.contextmanager
+def exclusive(lock: str | Path, what: str, seconds: float, log=print) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` while the block runs (one process builds `what`, the others
+    wait for it, saying so). The kernel frees the lock when its holder dies, however it dies."""
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, said = time.monotonic(), 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > seconds:
+                    raise TimeoutError(f"{what}: another process (PID {_holder(fd)}) held {lock} for more "
+                                       f"than {seconds:.0f}s") from None
+                if waited >= said:
+                    log(f"waiting for {what}: another process (PID {_holder(fd)}) is doing it "
+                        f"({waited:.0f}s so far)")
+                    said = waited + 30
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"

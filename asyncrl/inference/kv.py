@@ -27,7 +27,12 @@ def tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def cache_kwarg(model) -> str:
     """transformers >= 5.2x names the KV cache argument (and output) `cache`; older releases
     `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if takes(model, "cache") else "past_key_values"
+
+
+def takes(model, argument: str) -> bool:
+    """Whether the model's forward has `argument`."""
+    return argument in inspect.signature(model.forward).parameters
 
 
 def build(layers: list[tuple[torch.Tensor, torch.Tensor]], config, spare: int | None = 64) -> DynamicCache:

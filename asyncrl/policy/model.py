@@ -154,12 +154,16 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: 
 
 
 def load_policy(path: str | Path):
-    """(model in fp32 eval mode, tokenizer) from an HF name or a local directory: a causal LM, or a
-    vision-language model (images in, text out: asyncrl/vision/)."""
+    """(model in fp32 eval mode, tokenizer) from an HF name, a local directory or a GGUF file (through its
+    converted directory: asyncrl/policy/gguf.py): a causal LM, or a vision-language model (images in, text
+    out: asyncrl/vision/)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    path = str(path)
+    from asyncrl.policy.gguf import gguf_file, model_dir
+
+    found = gguf_file(path)
+    path = str(model_dir(found) if found else path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None

@@ -3,6 +3,8 @@ one sentence naming it, not minutes later inside a role that restarts into the s
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import struct
 from pathlib import Path
@@ -23,6 +25,7 @@ def check_inputs(cfg: Config, log=print) -> Config:
     from asyncrl.rewards.tasks import load_tasks
 
     load_tasks(cfg.task)  # (a bad task fails here, before a warm start would spend minutes)
+    cfg = resolve_models(cfg, log)
     if cfg.teacher.enabled:
         check_teacher_loads(cfg)  # (likewise)
     own_recipe = cfg.warmstart.demos or cfg.warmstart.architecture == "qwen2_5_vl"  # (examples/ recipes)
@@ -49,6 +52,23 @@ def check_inputs(cfg: Config, log=print) -> Config:
     check_sizes(cfg)
     _check_ports(cfg)
     return cfg
+
+
+def resolve_models(cfg: Config, log=print) -> Config:
+    """The config with every model it names as a directory the roles can load: a GGUF file (or a
+    directory holding one) becomes its converted directory (asyncrl/policy/gguf.py), said on the console."""
+    from asyncrl.policy.gguf import gguf_file, model_dir
+
+    changes = {}
+    for section, key in (("model", "path"), ("teacher", "path"), ("warmstart", "base")):
+        given = getattr(getattr(cfg, section), key)
+        found = gguf_file(given, f"{section}.{key}") if given else None
+        if found is not None:
+            converted = model_dir(found, log)
+            log(f"{section}.{key}: {given} is served and trained from its converted copy {converted}")
+            changes.setdefault(section, {})[key] = str(converted)
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)
+                                  for section, fields in changes.items()})
 
 
 def _check_ports(cfg: Config) -> None:
@@ -156,16 +176,46 @@ def _has_chat_template(model: Path) -> bool:
 
 
 def _check_hub_model(name: str, key: str = "model.path") -> None:
-    """A model path that is not a local directory must at least resolve on the hub (or its cache)."""
+    """A name that is no local file or directory must resolve on the hub or in its local cache. Offline (the
+    common case on a build machine) that is said at once, and the roles are told not to try the hub either:
+    transformers would otherwise retry a hub nobody can reach for ~25 s in every process."""
     from transformers import AutoConfig
 
+    if not HUB_NAME.fullmatch(name):
+        raise ConfigError(f"{key} = {name!r}: no such file or directory here (nor a hub name, which reads "
+                          "org/name)")
+    online, endpoint = hub_reachable()
+    if not online:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # (inherited by every role the launcher starts)
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, local_files_only=not online)
     except Exception as e:
-        hint = "run `asyncrl warmstart` for the tiny default or fix the path" if key == "model.path" else \
-            "fix the path"
-        raise ConfigError(f"{key} = {name!r} is not a local directory and cannot be loaded as a hub model "
-                          f"({type(e).__name__}); {hint}") from None
+        where = "the hub" if online else (f"the local hub cache, and the hub ({endpoint}) cannot be reached "
+                                          "from this machine")
+        hint = "run `asyncrl warmstart` for the tiny default, or" if key == "model.path" else ""
+        raise ConfigError(f"{key} = {name!r} is not a local file or directory and is not in {where} "
+                          f"({type(e).__name__}); {hint} give a model directory or GGUF file that is here"
+                          ) from None
+
+
+HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")  # (huggingface_hub's repo id rule)
+
+
+def hub_reachable(seconds: float = 3.0) -> tuple[bool, str]:
+    """(whether the hub's endpoint answers a TCP connection within `seconds`, the endpoint); False at once
+    when HF_HUB_OFFLINE is set."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false"):
+        return False, constants.ENDPOINT
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=seconds).close()
+        return True, constants.ENDPOINT
+    except OSError:
+        return False, constants.ENDPOINT
 
 
 def check_teacher(cfg: Config) -> None:
