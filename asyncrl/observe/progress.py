@@ -12,7 +12,7 @@ from asyncrl.rundir import RunDir
 
 # event names that tell the user something went wrong or around: drops, failures, recoveries
 NOTABLE = ("dropped", "failed", "error", "corrupt", "unreachable", "recovered", "restarted", "reissued",
-           "replayed")
+           "replayed", "warning")
 SAID_BY_THE_ERROR = ("role_failed", "run_stopped")  # the run's final error says these in full
 EVENT_EVERY = 10.0
 

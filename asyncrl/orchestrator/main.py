@@ -38,6 +38,7 @@ from asyncrl.observe.sinks import Sinks
 from asyncrl.orchestrator import staleness, waves, workers
 from asyncrl.orchestrator.advantages import advantage_fn, normalize_per_task
 from asyncrl.orchestrator.breaker import Breaker, RunCannotProgress
+from asyncrl.orchestrator.collapse import CollapseWatch
 from asyncrl.orchestrator.evaluation import Evaluator
 from asyncrl.orchestrator.prompts import next_prompt, prune_images
 from asyncrl.orchestrator.records import batch_stats, step_record
@@ -87,6 +88,7 @@ class Orchestrator:
         self.evaluator = (Evaluator(cfg, eval_tasks, tokenizer, self.router, verifiers, self.agents,
                                     self.images) if eval_tasks else None)
         self.teacher = Teacher(cfg, run_dir, tokenizer, self.events) if cfg.teacher.enabled else None
+        self.collapse = CollapseWatch()  # entropy or held-out accuracy falling past a bound: said at once
         self.swarm = workers.swarm(self) if cfg.workers.enabled else None  # joined workers: asyncrl/swarm/
         restore(self)
 
@@ -278,6 +280,7 @@ class Orchestrator:
             teacher = await self.teacher.stats() if self.teacher else {}
             stats = {**await self.router.stats(), "teacher": teacher}
             record = step_record(self, version, marker, stats)
+            self._warn(self.collapse.step(record, self.cfg.trainer.lr))
             self.ledger.record_step(version, record)
             workers.record_masked(self, version, marker)
             await self._notify()
@@ -330,8 +333,13 @@ class Orchestrator:
             self._fail(e)
             await self._notify()
             raise
+        self._warn(self.collapse.evaluation(record, self.cfg.trainer.lr))
         self.ledger.record_eval(record)
         self._write_metrics(record)
+
+    def _warn(self, warning: dict | None) -> None:
+        if warning:
+            self.events.write("collapse_warning", **warning)
 
     async def run(self) -> None:
         await self._connect_trainer()

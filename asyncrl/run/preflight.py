@@ -11,6 +11,7 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.policy import ModelConfig
+from asyncrl.config.scale import apply_profile
 from asyncrl.observe.sinks import check_installed
 from asyncrl.run.sizes import check_sizes
 
@@ -36,6 +37,7 @@ def check_inputs(cfg: Config, log=print) -> Config:
         _check_hub_model(cfg.model.path)
     if Path(cfg.model.path).exists():
         check_model(Path(cfg.model.path))
+    cfg = apply_profile(cfg, Path(cfg.model.path), log)
     _check_prompts(cfg, log)
     _check_images(cfg)
     agents = {path for path in cfg.agent_paths().values() if path}
@@ -56,17 +58,23 @@ def check_inputs(cfg: Config, log=print) -> Config:
 
 def resolve_models(cfg: Config, log=print) -> Config:
     """The config with every model it names as a directory the roles can load: a GGUF file (or a
-    directory holding one) becomes its converted directory (asyncrl/policy/gguf.py), said on the console."""
+    directory holding one) becomes its converted directory (asyncrl/policy/gguf.py), said on the console; a
+    file inside an installed package ("package:NAME/FILE") its path."""
+    from asyncrl.plugins import package_file
     from asyncrl.policy.gguf import gguf_file, model_dir
 
     changes = {}
     for section, key in (("model", "path"), ("teacher", "path"), ("warmstart", "base")):
         given = getattr(getattr(cfg, section), key)
-        found = gguf_file(given, f"{section}.{key}") if given else None
+        if not given:
+            continue
+        path = package_file(given, f"{section}.{key}")
+        found = gguf_file(path, f"{section}.{key}")
         if found is not None:
-            converted = model_dir(found, log)
-            log(f"{section}.{key}: {given} is served and trained from its converted copy {converted}")
-            changes.setdefault(section, {})[key] = str(converted)
+            path = str(model_dir(found, log))
+            log(f"{section}.{key}: {given} is served and trained from its converted copy {path}")
+        if path != given:
+            changes.setdefault(section, {})[key] = path
     return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)
                                   for section, fields in changes.items()})
 
