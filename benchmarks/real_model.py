@@ -29,7 +29,8 @@ from asyncrl.config import load_config  # noqa: E402
 RECIPE = ROOT / "examples/real/smollm2_sums.toml"
 OUT = ROOT / "benchmarks/results"
 RUNS = ROOT / "runs/bench-real"
-ARMS = {"full": [], "lora": ["--trainer.lora.rank", "16", "--trainer.lora.alpha", "32", "--trainer.lr", "1e-4"]}
+ARMS = {"full": [], "lora": ["--trainer.lora.rank", "16", "--trainer.lora.alpha", "32",
+                             "--trainer.lr", "1e-4"]}
 MIN_GAIN = 0.10  # below this no arm has learnt enough for a time to target to mean anything
 
 
@@ -62,8 +63,9 @@ def run_baseline(cfg, every: int) -> dict:
     out = RUNS / f"trl-s{cfg.run.seed}"
     result = run_trl(cfg, out, every)
     curve = score_snapshots(cfg, result["points"], cfg.task.eval_size)
-    return {"curve": curve, "samples_per_s": result["samples_per_s"], "train_seconds": result["train_seconds"],
-            "wall_seconds": result["wall_seconds"], "collapse_warnings": []}
+    return {"curve": curve, "samples_per_s": result["samples_per_s"],
+            "train_seconds": result["train_seconds"], "wall_seconds": result["wall_seconds"],
+            "collapse_warnings": []}
 
 
 def time_to(curve, target: float) -> float:

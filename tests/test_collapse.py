@@ -7,7 +7,8 @@ from asyncrl.orchestrator.collapse import CollapseWatch
 
 def test_entropy_falling_past_its_bound_is_said_once_with_what_to_lower():
     watch = CollapseWatch()
-    said = [watch.step({"step": i, "entropy": e}, lr=1e-4) for i, e in enumerate([0.6, 0.58, 0.59, 0.4, 0.25])]
+    entropies = [0.6, 0.58, 0.59, 0.4, 0.25]
+    said = [watch.step({"step": i, "entropy": e}, lr=1e-4) for i, e in enumerate(entropies)]
     assert said == [None] * 5  # (0.25 is 42% of the start: above the bound)
     record = {"step": 5, "entropy": 0.15}
     warning = watch.step(record, lr=1e-4)

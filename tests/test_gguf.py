@@ -13,7 +13,13 @@ import torch
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.scale import apply_profile, parameters, profile_for
 from asyncrl.policy import gguf as converter
-from asyncrl.policy.model import CHATML_TEMPLATE, build_bpe_tokenizer, build_tiny_model, chatml_corpus, load_policy
+from asyncrl.policy.model import (
+    CHATML_TEMPLATE,
+    build_bpe_tokenizer,
+    build_tiny_model,
+    chatml_corpus,
+    load_policy,
+)
 
 gguf = pytest.importorskip("gguf")
 
@@ -59,7 +65,8 @@ def write_gguf(path: Path, architecture: str = "llama", quantize_ffn: bool = Fal
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # (tied to the embedding, as in SmolLM2)
@@ -98,7 +105,8 @@ def test_a_gguf_file_becomes_a_model_with_its_numbers_tokenizer_and_template(tmp
     said = []
     model, loaded = load_policy(tmp_path / "tiny.Q8_0.gguf")  # (any loader takes the file)
     out = converter.model_dir(converter.gguf_file(tmp_path), log=said.append)  # (or its directory)
-    assert json.loads((out / converter.KEY).read_text())["sha256"] == converter.sha256_of(tmp_path / "tiny.Q8_0.gguf")
+    key = json.loads((out / converter.KEY).read_text())
+    assert key["sha256"] == converter.sha256_of(tmp_path / "tiny.Q8_0.gguf")
     assert said == []  # converted once, by the first load: the second found it by its hash
     text = [{"role": "user", "content": "12+7"}]
     assert loaded.apply_chat_template(text, tokenize=False, add_generation_prompt=True) == \

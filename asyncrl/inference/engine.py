@@ -315,8 +315,9 @@ class Engine:
         positions = starts[:, None] + (mask[:, past:].cumsum(-1) - 1).clamp(min=0)
         self.tokens_prefilled += sum(map(len, new))
         self.tokens_reused += sum(n for n, _ in hits)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self.cache_arg: kv.build(layers, self.model.config, spare=None)}, **self.last_logits)
+        cache = {self.cache_arg: kv.build(layers, self.model.config, spare=None)}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache,
+                         **self.last_logits)
         return kv.tensors(out[self.cache_arg]), mask, out.logits[:, -1], positions[:, -1] + 1
 
     def _join(self, seqs: list[Sequence], layers: list, mask: torch.Tensor, logits: torch.Tensor,

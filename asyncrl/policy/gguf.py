@@ -40,7 +40,8 @@ def gguf_file(path: str | Path, key: str = "model.path") -> Path | None:
     found = sorted(path.glob("*.gguf"))
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
-        raise ConfigError(f"{key} = {str(path)!r} holds {len(found)} GGUF files ({names}): name the one to use")
+        raise ConfigError(f"{key} = {str(path)!r} holds {len(found)} GGUF files ({names}): name the one to "
+                          "use")
     return found[0] if found else None
 
 
@@ -100,8 +101,9 @@ def _read(gguf: Path):
         read = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError, TypeError) as e:
         arch, kinds = describe(gguf)
-        raise ConfigError(f"model.path = {str(gguf)!r}: transformers cannot read this GGUF file (architecture "
-                          f"{arch}, tensors {kinds}): {' '.join(str(e).split())[:200]}") from None
+        why = " ".join(str(e).split())[:200]
+        raise ConfigError(f"model.path = {str(gguf)!r}: transformers cannot read this GGUF file "
+                          f"(architecture {arch}, tensors {kinds}): {why}") from None
     # a model built from the config holds no quantizer, so it saves; the weights are the file's, dequantized
     model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
     model.load_state_dict(read.state_dict())

@@ -14,8 +14,8 @@ def last_number(completion: str, entry: dict) -> float:
 
 
 # How a chat model states a result: "**42**", "\boxed{42}", "= 42", "is 42", "equals 42", "answer: 42"
-_STATED = re.compile(r"(?:\\boxed\{\s*|\*\*\s*|=\s*|\bis\s+|\bequals\s+|\banswer:?\s*)(-?\d[\d,]*)(?![\d.]*\d)",
-                     re.IGNORECASE)
+_STATED = re.compile(
+    r"(?:\\boxed\{\s*|\*\*\s*|=\s*|\bis\s+|\bequals\s+|\banswer:?\s*)(-?\d[\d,]*)(?![\d.]*\d)", re.IGNORECASE)
 
 
 def stated_answer(completion: str, entry: dict) -> float:
