@@ -61,10 +61,10 @@ def config(kind: str, seed: int, steps: int):
 
 
 def run(kind: str, seed: int, steps: int) -> dict:
-    from asyncrl.policy.warmstart import is_current, warmstart
+    from asyncrl.policy.warmstart import COMPLETE, build_state, warmstart
 
     cfg = config(kind, seed, steps)
-    if not is_current(cfg, cfg.model.path):
+    if build_state(cfg, cfg.model.path) != COMPLETE:
         warmstart(cfg, cfg.model.path, log=lambda *a, **k: None)
     warm = json.loads((Path(cfg.model.path) / "warmstart.json").read_text())
     start = time.monotonic()

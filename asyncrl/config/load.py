@@ -130,15 +130,16 @@ class Config(Section):
         return Path(self.run.root) / self.run.name
 
     def role_threads(self, role: str) -> int:
-        """Threads for one role: when the roles alternate (η = 0) each may use every core."""
-        import os
+        """Threads for one role (the launcher sets them from the cores free: asyncrl/run/threads.py); else
+        when the roles alternate (η = 0) each may use every core this process may run on."""
+        from asyncrl.cores import usable_cores
 
         if role == "teacher":
             return self.teacher.threads
         asked = self.trainer.threads if role == "trainer" else self.inference.threads
         if asked:
             return asked
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         return cores if self.rollout.max_staleness == 0 else max(1, cores // 2)
 
 

@@ -41,7 +41,8 @@ class WarmstartConfig(Section):
     # qwen3_moe: every layer's MLP is this many experts, of which a router picks `experts_per_token`
     experts: int = Field(8, ge=2)
     experts_per_token: int = Field(2, ge=1)
-    threads: int = Field(2, ge=1)
+    # 0: the cores free for it (asyncrl/cores.py), looked at again every WATCH_EVERY steps
+    threads: int = Field(0, ge=0)
     seed: int = 0
     # "module:function" taking a random.Random and returning one demonstration conversation
     # {"messages": [...], "tools": [...]}: supervised data for agent tasks (the policy learns on

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from asyncrl.agents.chat import Renderer, conversation_segments, normalize
 from asyncrl.agents.runner import chat_template
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.sections import InferenceConfig
+from asyncrl.cores import CoreMeter
 from asyncrl.inference.engine import Engine, SamplingParams
 from asyncrl.plugins import import_object
 from asyncrl.policy.model import (
@@ -190,13 +193,22 @@ def recipe_hash(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(recipe(cfg), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def is_current(cfg: Config, model_dir: str | Path) -> bool:
-    """Whether `model_dir` was warm-started by this config's recipe."""
+COMPLETE, CUT_SHORT, OTHER, MISSING = "complete", "cut short", "another recipe", "missing"
+
+
+def build_state(cfg: Config, model_dir: str | Path) -> str:
+    """Whether `model_dir` holds this config's recipe built to its end (COMPLETE), built but stopped early
+    (CUT_SHORT: by warmstart.max_seconds), another recipe's policy, or nothing (MISSING). A build killed
+    half way leaves nothing: it is written to a temporary directory and renamed into place when done."""
     try:
         built = json.loads((Path(model_dir) / "warmstart.json").read_text())
     except (OSError, ValueError):
-        return False
-    return built.get("recipe") == recipe(cfg)
+        return MISSING if not Path(model_dir).exists() else OTHER
+    if built.get("recipe") != recipe(cfg):
+        return OTHER
+    # (a policy from before "complete" was recorded: complete when it ran every step)
+    return COMPLETE if built.get("complete", built.get("steps") == cfg.warmstart.steps) else CUT_SHORT
+
 
 
 def _teacher(ws):
@@ -207,10 +219,31 @@ def _teacher(ws):
     return lambda entry, rng: str(function(entry, rng, **ws.teacher_params))
 
 
+WATCH_EVERY = 100  # steps between looks at the cores free (another process may have started or ended)
+
+
 def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict:
+    """Build the policy into `out_dir` (default model.path): written beside it under a temporary name and
+    renamed into place once saved, so that no reader ever finds half of one."""
+    final = Path(out_dir or cfg.model.path)
+    out = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        summary = _build(cfg, out, log)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(out, final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    log(f"warmstart: {summary['steps']} steps, loss {summary['loss']:.3f}, greedy accuracy "
+        f"{summary['greedy_accuracy']:.1%} -> {final}")
+    return summary
+
+
+def _build(cfg: Config, out: Path, log) -> dict:
     ws = cfg.warmstart
-    out = Path(out_dir or cfg.model.path)
-    torch.set_num_threads(ws.threads)
+    meter = CoreMeter()
+    torch.set_num_threads(ws.threads or meter.free())
     torch.manual_seed(ws.seed)
     rng = random.Random(ws.seed)
     # Supervised data comes from the warm start's own seed, apart from RL's (task.seed) and eval's
@@ -267,14 +300,18 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
         opt.step()
         schedule.step()
         step, loss_value = step + 1, loss.item()
-        if step % 100 == 0:
-            log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s", end="\r")
+        if step % WATCH_EVERY == 0:
+            if not ws.threads:
+                torch.set_num_threads(meter.free())
+            log(f"  step {step:5d}  loss {loss_value:.3f}  {time.monotonic() - start:5.0f}s  "
+                f"{torch.get_num_threads()} thread(s)", end="\r")
     model.eval()
     if step < ws.steps:  # a slow or busy machine: the policy may not have learned what the recipe needs
         log(
             f"\nwarmstart: stopped at step {step} of {ws.steps} by "
             f"warmstart.max_seconds = {ws.max_seconds:.0f}; "
-            "the policy may be undertrained (is another job using the cores?)"
+            "the policy may be undertrained (is another job using the cores?): it is recorded as cut short, "
+            "and the next run that needs it builds it again"
         )
     # an agent task's accuracy needs its agent: the run's first evaluation measures it
     accuracy = (
@@ -286,12 +323,11 @@ def warmstart(cfg: Config, out_dir: str | Path | None = None, log=print) -> dict
     summary = {"params": n_params, "steps": step, "seconds": round(time.monotonic() - start, 1),
                "loss": round(loss_value, 4), "greedy_accuracy": accuracy, "task": source,
                "tokenizer": ws.base or ws.tokenizer, "vocab": len(tokenizer), "architecture": architecture,
-               "recipe": recipe(cfg)}
+               "complete": step >= ws.steps, "recipe": recipe(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "warmstart.json").write_text(json.dumps(summary, indent=2))
-    log(f"\nwarmstart: {step} steps, loss {loss_value:.3f}, greedy accuracy {accuracy:.1%} -> {out}")
     return summary
 
 

@@ -103,10 +103,10 @@ def _tiny_policy(cfg: Config, log) -> Config:
     """The config with the tiny policy of its warm-start recipe, built if missing. A policy another
     recipe built is never overwritten (a user may rely on it): the default path gives way to
     models/tiny-<recipe hash>, and an explicit path is refused."""
-    from asyncrl.policy.warmstart import is_current, recipe_hash, warmstart
+    from asyncrl.policy.warmstart import OTHER, build_state, recipe_hash
 
     path = Path(cfg.model.path)
-    if path.exists() and not is_current(cfg, path):
+    if build_state(cfg, path) == OTHER:
         if cfg.model.path != DEFAULT_MODEL:
             raise ConfigError(f"model.path = {cfg.model.path!r} was warm-started by another recipe (see its "
                               "warmstart.json) and is not overwritten: pass a new --model.path to build this "
@@ -115,10 +115,29 @@ def _tiny_policy(cfg: Config, log) -> Config:
         log(f"{DEFAULT_MODEL} was warm-started by another recipe (see its warmstart.json): this run's "
             f"policy is {path}")
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
-    if not path.exists() or not is_current(cfg, path):  # (a tiny-<hash> directory is asyncrl's own)
-        log(f"{path} is missing: building the tiny policy first")
-        warmstart(cfg, path, log=log)
+    build_policy(cfg, path, log)
     return cfg
+
+
+def build_policy(cfg: Config, path: Path, log=print) -> None:
+    """Build the tiny policy at `path` unless it is there, built to its end. One process builds it at a time:
+    another that needs it waits for that build (saying so) and uses it."""
+    from asyncrl.files import exclusive
+    from asyncrl.policy.warmstart import COMPLETE, CUT_SHORT, OTHER, build_state, warmstart
+
+    if build_state(cfg, path) == COMPLETE:
+        return
+    deadline = 2 * cfg.warmstart.max_seconds + 600  # (the other build's, then its evaluation and save)
+    with exclusive(path.with_name(f".{path.name}.lock"), f"the build of {path}", deadline, log):
+        state = build_state(cfg, path)
+        if state == COMPLETE:  # (another process built it while this one waited)
+            log(f"{path}: built by another process meanwhile; using it")
+            return
+        why = {OTHER: "holds another recipe's policy (a tiny-<hash> directory is asyncrl's own)",
+               CUT_SHORT: "was cut short (warmstart.max_seconds) the last time"}.get(state, "is missing")
+        log(f"{path} {why}: building the tiny policy first")
+        warmstart(cfg, path, log=log)
+
 
 
 def _check_prompts(cfg: Config, log) -> None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config import Config, save_config
+from asyncrl.cores import available_cores, usable_cores
 from asyncrl.files import write_atomic
 from asyncrl.run.processes import role_env
 from asyncrl.rundir import RunRoot
@@ -150,8 +151,7 @@ def choose(rates: dict[int, dict[str, float]], cores: int, overlap: bool) -> dic
             "measured_seconds": {n: {k: round(v, 4) for k, v in r.items()} for n, r in rates.items()}}
 
 
-def plan(cfg) -> dict:
-    cores = os.cpu_count() or 1
+def plan(cfg, cores: int) -> dict:
     return choose(measure(cfg, list(range(1, cores + 1))), cores, overlap=cfg.rollout.max_staleness > 0)
 
 
@@ -159,17 +159,24 @@ def plan(cfg) -> dict:
 def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
     """(cfg with the unset thread counts of the CPU roles chosen from measured rates, the plan).
 
-    Only where there is a choice: a CPU trainer and the built-in engine, on a machine with more than
-    one core (asyncrl/run/threads.py). The plan is cached per model, task and batch
-    shape under run.root; a planner that fails leaves the static split (config.role_threads)."""
+    Only where there is a choice: a CPU trainer and the built-in engine, with more than one core free
+    (asyncrl/cores.py: affinity, cgroup quota, other busy processes; measured under the same load the roles
+    will meet). The plan is cached per model, task, batch shape and free cores under run.root; a planner
+    that fails or is not worth its time leaves the static split over the free cores."""
     if (cfg.trainer.device != "cpu" or cfg.inference.device != "cpu" or cfg.inference.engine != "builtin"
-            or (cfg.trainer.threads and cfg.inference.threads) or (os.cpu_count() or 1) < 2):
+            or (cfg.trainer.threads and cfg.inference.threads)):
         return cfg, None
+    cores, usable = available_cores(), usable_cores()
+    if cores < usable:
+        log(f"threads: {cores} of this process's {usable} cores are free (other processes keep the rest "
+            "busy)")
+    if cores < 2:
+        return static_split(cfg, cores), None
     if cfg.model.defaults != "tiny":
         log("threads: the static split (the planner times whole steps at each thread count: minutes for a "
             "pretrained model; trainer.threads / inference.threads set them)")
-        return cfg, None
-    plan = _cached_plan(cfg)
+        return static_split(cfg, cores), None
+    plan = _cached_plan(cfg, cores)
     if plan is None:
         log("planning threads: timing one step's generation and training at each thread count ...")
         tmp = RunRoot(cfg.run.root).thread_probe_config(os.getpid())
@@ -177,11 +184,11 @@ def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
         save_config(cfg, tmp)
         try:
             out = subprocess.run(
-                [sys.executable, "-m", "asyncrl.run.threads", str(tmp)],
+                [sys.executable, "-m", "asyncrl.run.threads", str(tmp), str(cores)],
                 capture_output=True,
                 text=True,
                 timeout=cfg.timeouts.startup,
-                env=role_env(os.cpu_count() or 1),
+                env=role_env(cores),
             )
             plan = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
         except (subprocess.TimeoutExpired, ValueError, IndexError):
@@ -193,15 +200,24 @@ def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
                 "\n".join(out.stderr.splitlines()[-5:]) if out else f"timed out ({cfg.timeouts.startup:.0f}s)"
             )
             log(f"planning threads failed; using the static split: {why}")
-            return cfg, None
-        _cache_plan(cfg, plan)
+            return static_split(cfg, cores), None
+        _cache_plan(cfg, cores, plan)
     cfg = cfg.model_copy(deep=True)
     cfg.inference.threads = cfg.inference.threads or plan["inference"]
     cfg.trainer.threads = cfg.trainer.threads or plan["trainer"]
     return cfg, plan
 
 
-def _plan_key(cfg: Config) -> str:
+def static_split(cfg: Config, cores: int) -> Config:
+    """Every core to each role when they alternate (η = 0), half each when they overlap; what is set stays."""
+    each = cores if cfg.rollout.max_staleness == 0 else max(1, cores // 2)
+    cfg = cfg.model_copy(deep=True)
+    cfg.inference.threads = cfg.inference.threads or each
+    cfg.trainer.threads = cfg.trainer.threads or each
+    return cfg
+
+
+def _plan_key(cfg: Config, cores: int) -> str:
     import hashlib
 
     model = Path(cfg.model.path)
@@ -224,7 +240,7 @@ def _plan_key(cfg: Config) -> str:
         ro.max_staleness > 0,
         cfg.trainer.minibatches,
         cfg.inference.dtype,
-        os.cpu_count(),
+        cores,
     ]
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -238,11 +254,11 @@ def _plans(cfg: Config) -> tuple[Path, dict]:
         return path, {}
 
 
-def _cached_plan(cfg: Config) -> dict | None:
-    return _plans(cfg)[1].get(_plan_key(cfg))
+def _cached_plan(cfg: Config, cores: int) -> dict | None:
+    return _plans(cfg)[1].get(_plan_key(cfg, cores))
 
 
-def _cache_plan(cfg: Config, plan: dict) -> None:
+def _cache_plan(cfg: Config, cores: int, plan: dict) -> None:
     """Add a plan to the cache: two launches may share run.root, so the read-modify-write holds a lock
     (without it the later writer drops the earlier one's plan)."""
     import fcntl
@@ -250,7 +266,7 @@ def _cache_plan(cfg: Config, plan: dict) -> None:
     with open(RunRoot(cfg.run.root).thread_plans_lock, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         path, plans = _plans(cfg)
-        plans[_plan_key(cfg)] = plan
+        plans[_plan_key(cfg, cores)] = plan
         write_atomic(path, json.dumps(plans, indent=1))
 
 
@@ -259,4 +275,4 @@ if __name__ == "__main__":
 
     with open(sys.argv[1]) as f:
         config = Config.model_validate_json(f.read())
-    print(json.dumps(plan(config)))
+    print(json.dumps(plan(config, int(sys.argv[2]))))

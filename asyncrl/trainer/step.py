@@ -323,7 +323,8 @@ def diagnostics(logp: torch.Tensor, entropy: torch.Tensor, batch: dict) -> dict:
     weights = torch.exp(seq_log_w - seq_log_w.max())  # ESS is scale-free; shift for stability
     ess = float(weights.sum() ** 2 / (weights**2).sum() / len(weights))
     fresh = counted & (stale == 0)
-    # k3 estimate of KL(behaviour ‖ trainer) on tokens the trainer holds the same version of
+    # k3 estimate of KL(behaviour ‖ trainer) on tokens the trainer holds the same version of: none in a
+    # trainer-bound run at η ≥ 1 (every sample is a version behind), where it is NaN over 0 mismatch_tokens
     r_fresh = (logp - behav)[fresh].exp()
     mismatch = float((r_fresh - 1 - r_fresh.log()).mean()) if fresh.any() else math.nan
     q = (
@@ -338,6 +339,7 @@ def diagnostics(logp: torch.Tensor, entropy: torch.Tensor, batch: dict) -> dict:
         "ratio_p05": q[0], "ratio_p50": q[1], "ratio_p95": q[2],
         "ratio_max": float(ratios.max()) if ratios.numel() else math.nan,
         "mismatch_kl": mismatch,
+        "mismatch_tokens": int(fresh.sum()),
         "staleness_mean": float(seq_stale.float().mean()),
         "staleness_max": int(seq_stale.max()),
         "train_tokens": int(mask.sum()),
