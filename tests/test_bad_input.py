@@ -31,7 +31,7 @@ def test_config_typo(tmp_path):
 def test_missing_model_path(tmp_path):
     out = cli("train", "--model.path", str(tmp_path / "no-such-model"), "--run.root", str(tmp_path))
     assert out.returncode == 2
-    assert "no-such-model" in out.stderr and "is not a local directory" in out.stderr
+    assert "no-such-model" in out.stderr and "no such file or directory" in out.stderr
 
 
 def test_unknown_dataset(tmp_path):

@@ -76,9 +76,9 @@ def test_toml_file(tmp_path):
 def test_auto_thread_split():
     sync = load_config(overrides=["--rollout.max_staleness", "0"])
     async_ = load_config(overrides=["--rollout.max_staleness", "2"])
-    import os
+    from asyncrl.cores import usable_cores
 
-    cores = os.cpu_count()
+    cores = usable_cores()
     assert sync.role_threads("trainer") == cores
     assert async_.role_threads("trainer") == max(1, cores // 2)
 

@@ -82,8 +82,9 @@ def test_reward_rises(tiny_model, tmp_path, record):
 
 
 def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_path):
+    # (run.cores: the planner's cores, whatever the other test worker keeps busy)
     cfg = job_config(tmp_path, tiny_model, **{"run.steps": 4, "trainer.threads": 0, "inference.threads": 0,
-                                              "task.eval_size": 20})
+                                              "task.eval_size": 20, "run.cores": 2})
     run_dir = train(cfg, log=lambda *a, **k: None)
     plan = json.loads((run_dir / "threads.json").read_text())
     saved = json.loads((run_dir / "config.json").read_text())
@@ -107,7 +108,7 @@ def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_p
     assert "Where the time went" in (run_dir / "report.md").read_text()
     # a second run of the same shape reuses the plan instead of timing again
     again = job_config(tmp_path, tiny_model, **{"run.steps": 1, "run.name": "again", "trainer.threads": 0,
-                                                "inference.threads": 0, "task.eval_size": 0})
+                                                "inference.threads": 0, "task.eval_size": 0, "run.cores": 2})
     messages = []
     train(again, log=lambda *a, **k: messages.append(" ".join(map(str, a))))
     assert not any("planning threads" in m for m in messages) and any(

@@ -301,6 +301,7 @@ RESUMABLE_KEYS = (
     "run.overwrite",
     "run.prune_trained",
     "run.max_restarts",
+    "run.cores",
     "run.warm_spare",
     "run.launcher",
     "run.ray_",

@@ -24,6 +24,9 @@ class RunConfig(Section):
     # delete the batch files of steps older than every kept checkpoint (~85 KB a default step): no restart
     # trains them again, and the ledger keeps their samples whole
     prune_trained: bool = False
+    # the cores the CPU roles' threads are planned over; 0: those free when the run starts (its affinity and
+    # cgroup quota, less what other processes keep busy: asyncrl/cores.py)
+    cores: int = Field(0, ge=0)
     # a role that dies (or stops beating) is restarted; past this many restarts the run stops
     max_restarts: int = Field(3, ge=0, description="restarts allowed per role")
     # a process with torch & co. already imported, to take a dead role's place in ~1 s instead of

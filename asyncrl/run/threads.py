@@ -166,8 +166,8 @@ def plan_threads(cfg: Config, log=print) -> tuple[Config, dict | None]:
     if (cfg.trainer.device != "cpu" or cfg.inference.device != "cpu" or cfg.inference.engine != "builtin"
             or (cfg.trainer.threads and cfg.inference.threads)):
         return cfg, None
-    cores, usable = available_cores(), usable_cores()
-    if cores < usable:
+    cores, usable = cfg.run.cores or available_cores(), usable_cores()
+    if cores < usable and not cfg.run.cores:
         log(f"threads: {cores} of this process's {usable} cores are free (other processes keep the rest "
             "busy)")
     if cores < 2:
