@@ -79,7 +79,8 @@ def bound(model, rows: int, threads: int) -> dict:
 
 
 def train_rates(cfg, model, tokenizer, ps: list[list[int]]) -> dict:
-    """Completion tokens/s of the trainer's step and of a plain HF forward + backward on the same rows."""
+    """Completion tokens/s of the trainer's step and of a plain HF forward + backward + AdamW step on the same
+    rows (a group of samples per prompt, as a run trains them)."""
     import copy
 
     from asyncrl.objectives import get_objective
@@ -106,6 +107,8 @@ def train_rates(cfg, model, tokenizer, ps: list[list[int]]) -> dict:
     logits = learner(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     (logp * mask[:, 1:]).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
     plain = time.perf_counter() - start
     return {"rows": len(trajs), "completion_tokens": tokens, "asyncrl_tokens_per_s": tokens / ours,
             "hf_forward_backward_tokens_per_s": tokens / plain, "asyncrl_step_s": ours, "hf_step_s": plain}
@@ -114,11 +117,12 @@ def train_rates(cfg, model, tokenizer, ps: list[list[int]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--parts", nargs="+", default=["decode", "training"])
     args = parser.parse_args()
     cfg = resolve_models(load_config(RECIPE))
     model, tokenizer = load_policy(cfg.model.path)
     rows = []
-    for count in (32, 128):
+    for count in (32, 128) if "decode" in args.parts else ():
         ps = prompts(cfg, tokenizer, count // 4)
         ps = [p for p in ps for _ in range(4)]  # (4 samples a prompt, as a group shares its prefill)
         for threads in (1, 2):
@@ -132,8 +136,12 @@ def main() -> None:
             row["asyncrl_share_of_bound"] = row["asyncrl"] / row["bound"]["tokens_per_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    training = train_rates(cfg, model, tokenizer, prompts(cfg, tokenizer, cfg.rollout.prompts_per_step))
+    ro = cfg.rollout
+    group = [p for p in prompts(cfg, tokenizer, ro.prompts_per_step) for _ in range(ro.group_size)]
+    training = train_rates(cfg, model, tokenizer, group) if "training" in args.parts else None
     print(json.dumps(training), flush=True)
+    if not rows or training is None:  # (one part alone: printed, the results file is the whole run's)
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "engine_real.json").write_text(json.dumps({"decode": rows, "training": training}, indent=1))
     lines = ["| rows | threads | asyncrl tok/s | HF generate | vLLM-CPU | bound | asyncrl / bound | "
@@ -144,8 +152,8 @@ def main() -> None:
                      f"{vllm} | {r['bound']['tokens_per_s']:.0f} | {r['asyncrl_share_of_bound']:.0%} | "
                      f"{r['asyncrl'] / r['hf_generate']:.2f}× |")
     lines += ["", f"training, {training['rows']} rows, {training['completion_tokens']} completion tokens, 1 "
-              f"thread: asyncrl {training['asyncrl_tokens_per_s']:.0f} tok/s, plain HF forward + backward "
-              f"{training['hf_forward_backward_tokens_per_s']:.0f} tok/s"]
+              f"thread: asyncrl {training['asyncrl_tokens_per_s']:.0f} tok/s, plain HF forward + backward + "
+              f"AdamW {training['hf_forward_backward_tokens_per_s']:.0f} tok/s"]
     (OUT / "engine_real.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

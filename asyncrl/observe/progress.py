@@ -104,8 +104,10 @@ class Progress:
     def _event_line(self, kind: tuple[str, str], count: int) -> str:
         event, reason = kind
         example = self.example.get(kind, "")
+        # (a warning's example is its advice, said in full)
+        example = example if event.endswith("warning") else example[:160]
         return (f"! {event}{f' ({reason})' if reason else ''}: {count} so far"
-                + (f" — e.g. {example[:160]}" if example else "") + " (events.jsonl)")
+                + (f" — e.g. {example}" if example else "") + " (events.jsonl)")
 
     def _say(self, line: str) -> None:
         """A line of its own (above the bar, on a terminal)."""

@@ -47,6 +47,11 @@ def gguf_file(path: str | Path, key: str = "model.path") -> Path | None:
 
 def model_dir(gguf: Path, log=print) -> Path:
     """The converted directory of `gguf`, converting it first if no process has."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"{gguf} is a GGUF file: reading it needs the gguf package (pip install gguf, or "
+                          "asyncrl[gguf])")
     digest = sha256_of(gguf)
     out = cache_root() / f"{gguf.stem}-{digest[:16]}"
     if _converted(out, digest):
