@@ -140,10 +140,11 @@ def main() -> None:
     group = [p for p in prompts(cfg, tokenizer, ro.prompts_per_step) for _ in range(ro.group_size)]
     training = train_rates(cfg, model, tokenizer, group) if "training" in args.parts else None
     print(json.dumps(training), flush=True)
-    if not rows or training is None:  # (one part alone: printed, the results file is the whole run's)
-        return
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "engine_real.json").write_text(json.dumps({"decode": rows, "training": training}, indent=1))
+    saved = OUT / "engine_real.json"
+    earlier = json.loads(saved.read_text()) if saved.exists() else {}
+    rows, training = rows or earlier.get("decode", []), training or earlier.get("training")  # (one part run)
+    saved.write_text(json.dumps({"decode": rows, "training": training}, indent=1))
     lines = ["| rows | threads | asyncrl tok/s | HF generate | vLLM-CPU | bound | asyncrl / bound | "
              "asyncrl / generate |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

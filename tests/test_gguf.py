@@ -107,6 +107,10 @@ def test_a_gguf_file_becomes_a_model_with_its_numbers_tokenizer_and_template(tmp
     out = converter.model_dir(converter.gguf_file(tmp_path), log=said.append)  # (or its directory)
     key = json.loads((out / converter.KEY).read_text())
     assert key["sha256"] == converter.sha256_of(tmp_path / "tiny.Q8_0.gguf")
+    # a plain float32 model: nothing that loads it takes it for quantized, and it saves
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not getattr(model, "is_quantized", False)
+    model.save_pretrained(tmp_path / "saved")
     assert said == []  # converted once, by the first load: the second found it by its hash
     text = [{"role": "user", "content": "12+7"}]
     assert loaded.apply_chat_template(text, tokenize=False, add_generation_prompt=True) == \

@@ -21,7 +21,8 @@ from pathlib import Path
 from asyncrl.errors import ConfigError
 from asyncrl.files import exclusive
 
-KEY = "gguf.json"  # the converted directory's key: the file it came from and its sha256
+KEY = "gguf.json"  # the converted directory's key: the file it came from, its sha256, FORMAT
+FORMAT = 2  # 1 kept the file's quantization_config: transformers then took the float32 copy for quantized
 CONVERT_SECONDS = 1800.0  # the longest a process waits for another's conversion
 
 
@@ -70,7 +71,8 @@ def sha256_of(path: Path) -> str:
 
 def _converted(out: Path, digest: str) -> bool:
     try:
-        return json.loads((out / KEY).read_text())["sha256"] == digest
+        key = json.loads((out / KEY).read_text())
+        return key["sha256"] == digest and key.get("format") == FORMAT
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -84,7 +86,7 @@ def _convert(gguf: Path, digest: str, out: Path, log) -> None:
         model, tokenizer = _read(gguf)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / KEY).write_text(json.dumps({"file": str(gguf.resolve()), "sha256": digest,
+        (tmp / KEY).write_text(json.dumps({"file": str(gguf.resolve()), "sha256": digest, "format": FORMAT,
                                            "architecture": model.config.model_type,
                                            "parameters": sum(p.numel() for p in model.parameters())}))
         shutil.rmtree(out, ignore_errors=True)  # (a directory whose key did not match)
@@ -109,8 +111,13 @@ def _read(gguf: Path):
         why = " ".join(str(e).split())[:200]
         raise ConfigError(f"model.path = {str(gguf)!r}: transformers cannot read this GGUF file "
                           f"(architecture {arch}, tensors {kinds}): {why}") from None
-    # a model built from the config holds no quantizer, so it saves; the weights are the file's, dequantized
-    model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
+    # a model built from the config holds no quantizer, so it saves; the weights are the file's, dequantized.
+    # The config loses the file's quantization_config: with it, whatever loads the copy takes it for quantized
+    # (TRL's trainer refuses to train it, save_pretrained refuses to save it)
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(read.state_dict())
     model.generation_config = GenerationConfig.from_model_config(read.config)
     if tokenizer.pad_token_id is None:

@@ -154,14 +154,16 @@ def build_tiny_model(tokenizer, hidden_size: int = 128, layers: int = 4, heads: 
 
 
 def load_policy(path: str | Path):
-    """(model in fp32 eval mode, tokenizer) from an HF name, a local directory or a GGUF file (through its
-    converted directory: asyncrl/policy/gguf.py): a causal LM, or a vision-language model (images in, text
-    out: asyncrl/vision/)."""
+    """(model in fp32 eval mode, tokenizer) from an HF name, a local directory, a GGUF file (through its
+    converted directory: asyncrl/policy/gguf.py) or a file of an installed package ("package:NAME/FILE"): a
+    causal LM, or a vision-language model (images in, text out: asyncrl/vision/)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+    from asyncrl.plugins import package_file
     from asyncrl.policy.gguf import gguf_file, model_dir
 
+    path = package_file(str(path), "model path")
     found = gguf_file(path)
     path = str(model_dir(found) if found else path)
     try:
