@@ -62,5 +62,7 @@ def test_two_processes_needing_one_policy_build_it_once(tmp_path):
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert sum("building the tiny policy first" in out for out in outputs) == 1, outputs
-    waited = next(out for out in outputs if "building the tiny policy first" not in out)
-    assert "waiting for the build of" in waited and "built by another process meanwhile" in waited
+    other = next(out for out in outputs if "building the tiny policy first" not in out)
+    # it waited on the lock and used the result, or (started late) found the build already complete
+    assert ("waiting for the build of" in other and "built by another process meanwhile" in other) or \
+        other.strip() == "", other
