@@ -31,6 +31,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def sha256_of(path: str | Path) -> str:
+    """The file's sha256, hex (a model file's cache key, a worker's blob name)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)

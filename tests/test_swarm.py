@@ -18,13 +18,13 @@ from aiohttp import web
 from conftest import job_args
 
 from asyncrl.control.ctl import request
-from asyncrl.files import poll
+from asyncrl.files import poll, sha256_of
 from asyncrl.observe.events import read_events
 from asyncrl.rundir import RunDir
 from asyncrl.store.ledger import audit
 from asyncrl.swarm import quarantine
 from asyncrl.swarm.checks import GroupRefused, Limits, Seen, check_group, prompt_digest
-from asyncrl.swarm.download import DownloadError, fetch, sha256_of
+from asyncrl.swarm.download import DownloadError, fetch
 from asyncrl.swarm.trust import Trust
 from asyncrl.trajectory import Trajectory
 

@@ -11,7 +11,6 @@ others wait for its result.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 from asyncrl.errors import ConfigError
-from asyncrl.files import exclusive
+from asyncrl.files import exclusive, sha256_of
 
 KEY = "gguf.json"  # the converted directory's key: the file it came from, its sha256, FORMAT
 FORMAT = 2  # 1 kept the file's quantization_config: transformers then took the float32 copy for quantized
@@ -62,11 +61,6 @@ def model_dir(gguf: Path, log=print) -> Path:
         if not _converted(out, digest):  # (another process may have finished it while this one waited)
             _convert(gguf, digest, out, log)
     return out
-
-
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _converted(out: Path, digest: str) -> bool:

@@ -4,12 +4,13 @@ name, and (for a test or a metered link) held to a byte rate."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from pathlib import Path
 
 import aiohttp
+
+from asyncrl.files import sha256_of
 
 ATTEMPTS = 6
 CHUNK = 1 << 16
@@ -17,14 +18,6 @@ CHUNK = 1 << 16
 
 class DownloadError(RuntimeError):
     pass
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, digest: str, size: int, dest: Path,

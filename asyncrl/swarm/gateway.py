@@ -19,10 +19,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from asyncrl.files import write_atomic
+from asyncrl.files import sha256_of, write_atomic
 from asyncrl.run.role import FatalError
 from asyncrl.rundir import RunDir
-from asyncrl.swarm.download import sha256_of
 from asyncrl.swarm.members import Refused
 from asyncrl.transports import weights
 
