@@ -253,58 +253,60 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
         t0 = time.monotonic()
         with phases("wait_batch"):
             path = wait_for_batch(run_dir, step, cfg.timeouts.batch, heartbeat) if leader else None
-        with phases("read_batch"):
-            batch = (read_batch(path), read_header(path)) if leader else None
-            masked = quarantine.mask(run_dir, batch[0]) if leader else []  # (asyncrl/swarm/quarantine.py)
-            trajs, header = ranks.broadcast(batch)
-        step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (control/live.py)
-        steps = step_cfg.run.steps
-        use_lr(optimizer, scheduler, step_cfg.trainer.lr)
-        t1 = time.monotonic()
-        # (a long step is not a hung one)
+        # a long step is not a hung one: beats go on through all of it (reading, training, publishing,
+        # checkpointing) for at most timeouts.step_compute, past which the supervisor sees a stuck trainer
         with heartbeat.through(cfg.timeouts.step_compute) if leader else contextlib.nullcontext():
+            with phases("read_batch"):
+                batch = (read_batch(path), read_header(path)) if leader else None
+                masked = quarantine.mask(run_dir, batch[0]) if leader else []  # (asyncrl/swarm/quarantine.py)
+                trajs, header = ranks.broadcast(batch)
+            step_cfg = with_settings(cfg, header["settings"])  # the live changes in force (control/live.py)
+            steps = step_cfg.run.steps
+            use_lr(optimizer, scheduler, step_cfg.trainer.lr)
+            t1 = time.monotonic()
             metrics = train_step(model, optimizer, objective, trajs, step, step_cfg,
                                  setup.tokenizer.pad_token_id, setup.ref_model, phases, ranks, setup.pictures)
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
-        if masked:
-            metrics["quarantined_samples"] = masked
-        check_finite(model, step, metrics, ranks)
-        scheduler.step()
-        t2 = time.monotonic()
-        metrics.update(
-            step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, ranks=ranks.size,
-            train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
-            batch_digest=batch_digest([t.id for t in trajs]),
-        )
-        with phases("publish"):
-            state = setup.published_state(ranks)
-            if served is not None:  # the patch lands before the marker that announces the version
-                new = weights.cast_state(state, serving_dtype)
-                patch, changed, total = weights.make_patch(served, new)
-                weights.save_patch(run_dir, step + 1, patch)
-                served = new
-                metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
-            elif not setup.adapters_only and any(t.dtype != serving_dtype for t in state.values()):
-                # (the engine hashes what it holds; adapters it holds as published, and merges them)
-                metrics["serving_hash"] = weights.state_hash(weights.cast_state(state, serving_dtype))
-        asked = "checkpoint" in header["actions"]  # (asyncrl ctl RUN checkpoint)
-        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == steps or asked:
-            with phases("checkpoint"):
-                trainer_state = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
-                                 "settings": header["settings"]}
-                metrics["checkpoint_stall_seconds"] = writer.save(
-                    step + 1, state, model.config.to_dict(), trainer_state,
-                    checkpoint.optimizer_state(model, optimizer))
-        if sender is not None:  # (before the marker that announces the version)
-            sender.publish(step + 1, state)
-        if leader:
-            # the server may be up to η + 1 versions behind, and must still find the one it serves
-            # (η may have changed live: keep the most it has been)
-            keep = max(keep, step_cfg.trainer.keep_weight_versions, step_cfg.rollout.max_staleness + 2)
-            finish_version(run_dir, keep, step, state, metrics, phases, started, events)
-            heartbeat.beat()
+            metrics["lr"] = optimizer.param_groups[0]["lr"]
+            if masked:
+                metrics["quarantined_samples"] = masked
+            check_finite(model, step, metrics, ranks)
+            scheduler.step()
+            t2 = time.monotonic()
+            metrics.update(
+                step=step, train_seconds=t2 - t1, batch_wait_seconds=t1 - t0, ranks=ranks.size,
+                train_tokens_per_s=metrics.get("train_tokens", 0) / max(t2 - t1, 1e-9),
+                batch_digest=batch_digest([t.id for t in trajs]),
+            )
+            with phases("publish"):
+                state = setup.published_state(ranks)
+                if served is not None:  # the patch lands before the marker that announces the version
+                    new = weights.cast_state(state, serving_dtype)
+                    patch, changed, total = weights.make_patch(served, new)
+                    weights.save_patch(run_dir, step + 1, patch)
+                    served = new
+                    metrics.update(patch_fraction=changed / total, serving_hash=weights.state_hash(new))
+                elif not setup.adapters_only and any(t.dtype != serving_dtype for t in state.values()):
+                    # (the engine hashes what it holds; adapters it holds as published, and merges them)
+                    metrics["serving_hash"] = weights.state_hash(weights.cast_state(state, serving_dtype))
+            asked = "checkpoint" in header["actions"]  # (asyncrl ctl RUN checkpoint)
+            if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == steps or asked:
+                with phases("checkpoint"):
+                    trainer_state = {"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                                     "settings": header["settings"]}
+                    metrics["checkpoint_stall_seconds"] = writer.save(
+                        step + 1, state, model.config.to_dict(), trainer_state,
+                        checkpoint.optimizer_state(model, optimizer))
+            if sender is not None:  # (before the marker that announces the version)
+                sender.publish(step + 1, state)
+            if leader:
+                # the server may be up to η + 1 versions behind, and must still find the one it serves
+                # (η may have changed live: keep the most it has been)
+                keep = max(keep, step_cfg.trainer.keep_weight_versions, step_cfg.rollout.max_staleness + 2)
+                finish_version(run_dir, keep, step, state, metrics, phases, started, events)
+                heartbeat.beat()
         step += 1
-    writer.wait()
+    with heartbeat.through(cfg.timeouts.checkpoint) if leader else contextlib.nullcontext():
+        writer.wait()  # (the last checkpoint: a slow disk is not a hang either)
     if leader:
         busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
         log.info(f"trainer: done, {steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
