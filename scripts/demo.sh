@@ -3,6 +3,6 @@
 # Extra arguments go to `asyncrl train` (e.g. --rollout.max_staleness 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh none
 . .venv/bin/activate
 exec asyncrl train --run.overwrite true "$@"
