@@ -28,9 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from asyncrl.plugins import check_directory
 from asyncrl.policy import lora
@@ -89,7 +87,23 @@ def _fsync_dir(path: Path) -> None:
 
 def optimizer_state(model, optimizer) -> dict:
     """The optimizer's state keyed by parameter name; under FSDP each rank's shard of it (DTensors)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return get_optimizer_state_dict(model, optimizer)
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported by the trainer when it first saves or loads: 1.2 s of every
+    other process's start (the orchestrator reads checkpoints' steps and manifests only)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _set_optimizer_state(model, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
 
 
 def load_optimizer(path: Path, model, optimizer, group=None) -> None:
@@ -99,9 +113,9 @@ def load_optimizer(path: Path, model, optimizer, group=None) -> None:
     if not CheckpointFiles(path).optimizer.exists():
         return _load_whole_optimizer(path, model, optimizer, group)
     state = optimizer_state(model, optimizer)  # the shapes and placements to fill (moments initialised)
-    dcp.load({"optimizer": state}, checkpoint_id=str(CheckpointFiles(path).optimizer), process_group=group,
-             no_dist=group is None)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+    _dcp().load({"optimizer": state}, checkpoint_id=str(CheckpointFiles(path).optimizer), process_group=group,
+                no_dist=group is None)
+    _set_optimizer_state(model, optimizer, state)
 
 
 def _load_whole_optimizer(path: Path, model, optimizer, group) -> None:
@@ -114,7 +128,7 @@ def _load_whole_optimizer(path: Path, model, optimizer, group) -> None:
     if all(isinstance(k, int) for k in state["state"]):  # keyed by position (before trainer ranks)
         optimizer.load_state_dict(state)
     else:
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state)
+        _set_optimizer_state(model, optimizer, state)
 
 
 def parts(model, optimizer, scheduler) -> tuple[dict, dict, dict, dict]:
@@ -185,8 +199,9 @@ class CheckpointWriter:
             start = time.monotonic()
             group = self.ranks.checkpoint_group if self.ranks is not None else None
             # returns on every rank once all shards and DCP's metadata are written
-            dcp.save({"optimizer": snapshot["optimizer"]}, checkpoint_id=str(CheckpointFiles(tmp).optimizer),
-                     process_group=group, no_dist=group is None)
+            _dcp().save({"optimizer": snapshot["optimizer"]},
+                        checkpoint_id=str(CheckpointFiles(tmp).optimizer), process_group=group,
+                        no_dist=group is None)
             if not self.leader:
                 return
             final, written = self.run.checkpoint(step), CheckpointFiles(tmp)
