@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """The default tiny policy, built once (~3.5 min on 2 cores); ASYNCRL_TEST_MODEL reuses a built one."""
+    """The default tiny policy, built once (~2.5 min on 2 cores); ASYNCRL_TEST_MODEL reuses a built one."""
     given = os.environ.get("ASYNCRL_TEST_MODEL")
     if given:
         return given
