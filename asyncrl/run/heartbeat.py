@@ -25,12 +25,6 @@ class Heartbeat:
             self.path.touch()  # sets the mtime the supervisor reads
             self.last = now
 
-    def ahead(self, seconds: float) -> None:
-        """A beat dated `seconds` ahead: a role that is done covers its exit (interpreter teardown took over
-        4 s on a busy machine, and the supervisor killed a finished trainer for silence)."""
-        now = time.time()
-        os.utime(self.path, (now + seconds, now + seconds))
-
     @contextlib.contextmanager
     def through(self, limit: float):
         """Beat from a thread while a long call blocks this one (a training step may outlast
@@ -56,6 +50,18 @@ class Heartbeat:
         while True:
             self.beat()
             await asyncio.sleep(every)
+
+
+EXIT_SECONDS = 60.0  # a finished role's exit: past it the role is stuck after all
+
+
+def cover_exit(run_dir: str | Path, role: str) -> None:
+    """A beat dated EXIT_SECONDS ahead, for a role whose main has returned: what is left is its exit, and
+    on a busy machine interpreter teardown outlasted a short timeouts.heartbeat (the supervisor killed a
+    finished trainer for silence, three times in a row)."""
+    path, later = RunDir(run_dir).heartbeat(role), time.time() + EXIT_SECONDS
+    with contextlib.suppress(FileNotFoundError):  # (a role that never beat: a trainer's other ranks)
+        os.utime(path, (later, later))
 
 
 def age(run_dir: str | Path, role: str) -> float | None:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from asyncrl.files import write_atomic
 from asyncrl.observe.events import EventLog
+from asyncrl.run import heartbeat
 from asyncrl.rundir import RunDir
 
 FATAL_EXIT = 3
@@ -63,6 +64,7 @@ def run_role(role: str, run_dir: str | Path, main: Callable[[], None]) -> None:
     configure_logging(run_dir)
     try:
         main()
+        heartbeat.cover_exit(run_dir, role)
     except FatalError as e:
         traceback.print_exc()  # (into the role's log: where in the user's code)
         record = {"role": role, "error": str(e), "kind": type(e).__name__, "wall_time": time.time()}

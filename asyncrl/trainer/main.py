@@ -303,12 +303,10 @@ def train(run_dir: Path, cfg, ranks: Ranks) -> None:
                 # (η may have changed live: keep the most it has been)
                 keep = max(keep, step_cfg.trainer.keep_weight_versions, step_cfg.rollout.max_staleness + 2)
                 finish_version(run_dir, keep, step, state, metrics, phases, started, events)
-                heartbeat.beat()
         step += 1
     with heartbeat.through(cfg.timeouts.checkpoint) if leader else contextlib.nullcontext():
         writer.wait()  # (the last checkpoint: a slow disk is not a hang either)
     if leader:
-        heartbeat.ahead(cfg.timeouts.startup)  # (done: what is left is the process's exit)
         busy, waited = time.monotonic() - started - phases.seconds["wait_batch"], phases.seconds["wait_batch"]
         log.info(f"trainer: done, {steps} steps, busy {busy:.1f}s, waiting {waited:.1f}s, "
               f"checkpoint writes {sum(writer.write_seconds):.2f}s in the background")
