@@ -7,11 +7,11 @@ For each model (the tiny default, ~1M params, and a ~20M-param Llama of the same
    rename), median of 5, with the model's Adam state in place.
 2. Mean time to recovery per role: asynchronous runs (max_staleness 1) in which each role is
    SIGKILLed twice at random moments (asyncrl/run/chaos.py), once with cold restarts (a new Python
-   process) and once with the warm spare (run.warm_spare = always: a process that imported
-   everything beforehand). For every kill: when the supervisor noticed, when the role was back (trainer: in
-   its training loop again; inference: serving the run's version again; orchestrator: state
-   rebuilt from the ledger), and how much longer than a normal step the run went without a new
-   version.
+   process each: run.fork_roles = false) and once warm (every role forked by the run's starter, which
+   imported everything once: asyncrl/run/starter.py). For every kill: when the supervisor noticed,
+   when the role was back (trainer: in its training loop again; inference: serving the run's version
+   again; orchestrator: state rebuilt from the ledger), and how much longer than a normal step the run
+   went without a new version.
 
 Prints a table, writes benchmarks/results/recovery.{json,png}.
 
@@ -103,8 +103,8 @@ def chaos_run(name: str, model_path: str, steps: int, root: Path, warm: bool) ->
         "0",
         "--run.max_restarts",
         "3",
-        "--run.warm_spare",
-        "always" if warm else "off",
+        "--run.fork_roles",
+        "true" if warm else "false",
     ]
     run_dir = root / name
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -160,7 +160,7 @@ def test_weights_that_turn_non_finite_are_never_published_and_the_run_says_why(t
     from safetensors.torch import load_file
 
     cfg = job_config(tmp_path, tiny_model, **{"trainer.lr": 1e30, "trainer.warmup_steps": 0,
-                                              "run.max_restarts": 0, "run.warm_spare": "off",
+                                              "run.max_restarts": 0,
                                               "task.eval_size": 0})
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)

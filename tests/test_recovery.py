@@ -1,9 +1,11 @@
 """Nothing lost: real processes are SIGKILLed mid-run, the whole run is SIGTERMed and resumed,
 and the ledger must show every sample generated, trained on and checkpointed exactly once."""
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import job_args, job_config
@@ -62,9 +64,9 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     events = read_events(run_dir)
     restarts = [e["target"] for e in events if e["event"] == "role_restarted"]
     assert sorted(restarts) == sorted(role for role, _ in plan)
-    # the warm spare (run.warm_spare = after_failure) took a dead role's place at least once, and worked
-    spare = (run_dir / "logs" / "standby.log").read_text()
-    assert "standby: warm" in spare and "Traceback" not in spare
+    # every start and restart was forked by the run's starter (run.fork_roles): none fell back to cold
+    assert not [e for e in events if e["event"] == "starter_failed"]
+    assert "Traceback" not in (run_dir / "logs" / "starter.log").read_text()
     # steps trained after the checkpoint a restarted trainer resumed from are trained again: bit-identically
     assert all(e["identical"] for e in events if e["event"] == "version_replayed")
     assert sum(e["event"] == "inference_recovered" for e in events) >= 2
@@ -128,8 +130,8 @@ def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_pa
     cfg = job_config(
         tmp_path,
         tiny_model,
-        **{"objective.import_path": "faulty:crashing_loss", "run.max_restarts": 1, "run.warm_spare": "off"},
-    )  # (warm_spare off: the cold restart path)
+        **{"objective.import_path": "faulty:crashing_loss", "run.max_restarts": 1, "run.fork_roles": False},
+    )  # (the cold restart path: a new interpreter)
     with pytest.raises(RunError) as err:
         train(cfg, log=lambda *a, **k: None)
     message = str(err.value)
@@ -170,6 +172,41 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_hang(tiny_model, tmp_
     assert (tmp_path / "slow-once").exists()
     events = read_events(run_dir)
     assert [e for e in events if e["event"] == "role_restarted" and e["target"] == "trainer"] == []
+
+
+def test_a_killed_role_starter_takes_its_roles_and_a_new_one_restarts_them(tiny_model, tmp_path):
+    """The run's role starter (asyncrl/run/starter.py) is SIGKILLed mid-run: its roles get SIGTERM
+    with it (none trains on unsupervised), and the supervisor restarts each from a new starter."""
+    run = {"run.steps": 12, "trainer.checkpoint_every": 2, "task.eval_size": 0}
+    cfg = job_config(tmp_path, tiny_model, **run)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, tiny_model, **run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while steps_recorded(cfg.run_dir) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    [starter] = [pid for pid in _pids_running("asyncrl.run.starter", str(cfg.run_dir))]
+    os.kill(starter, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    events = read_events(cfg.run_dir)
+    assert {e["target"] for e in events if e["event"] == "role_restarted"} == {"trainer", "orchestrator",
+                                                                              "inference-0"}
+    assert not [e for e in events if e["event"] == "starter_failed"]
+    assert_nothing_lost(cfg.run_dir)
+
+
+def _pids_running(*words: str) -> list[int]:
+    """The processes whose command line holds every one of `words`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and all(w in cmdline for w in words):
+            found.append(int(entry.name))
+    return found
 
 
 def test_roles_die_with_their_launcher_however_it_dies(tiny_model, tmp_path):

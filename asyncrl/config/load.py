@@ -302,7 +302,7 @@ RESUMABLE_KEYS = (
     "run.prune_trained",
     "run.max_restarts",
     "run.cores",
-    "run.warm_spare",
+    "run.fork_roles",
     "run.launcher",
     "run.ray_",
     "run.sinks",  # (where records are copied to, not what they are)

@@ -29,9 +29,9 @@ class RunConfig(Section):
     cores: int = Field(0, ge=0)
     # a role that dies (or stops beating) is restarted; past this many restarts the run stops
     max_restarts: int = Field(3, ge=0, description="restarts allowed per role")
-    # a process with torch & co. already imported, to take a dead role's place in ~1 s instead of
-    # a cold start's ~6 s; it costs one import's CPU and ~0.4 GB, so by default only once a role has died
-    warm_spare: Literal["off", "after_failure", "always"] = "after_failure"
+    # each local role forked from one process that imported torch & co. once (asyncrl/run/starter.py):
+    # a start or a restart in well under a second instead of a cold interpreter's 3-4 s of CPU
+    fork_roles: bool = True
     # local: every role a process on this machine; ray: the trainer and the inference replicas as Ray
     # actors in placement groups (docs/distributed.md), the orchestrator and the ledger stay here
     launcher: Literal["local", "ray"] = "local"

@@ -26,7 +26,7 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
     "contract", message, seconds) out, one per item."""
     from asyncrl.rewards.tasks import load_tasks
 
-    tasks = load_tasks(task_cfg)
+    tasks = load_tasks(task_cfg, score_only=True)
     conn.send("ready")  # imports can take seconds: they must not count against a verifier's deadline
     while True:
         try:
@@ -49,12 +49,14 @@ def _serve(task_cfg: TaskConfig, conn) -> None:
 
 def _preload(task_cfg: TaskConfig) -> list[str]:
     """What every worker imports: done once in the fork server, not in each worker (reasoning-gym alone
-    is ~1.5 s of CPU, paid again by every replacement of a killed worker otherwise)."""
-    tasks = [task_cfg, *task_cfg.mix]
+    is ~2 s of CPU, paid again by every replacement of a killed worker otherwise). A task with its own
+    verifier is scored by it alone (TaskSource's score_only); the others by their dataset."""
+    tasks = [task_cfg, *task_cfg.mix] if task_cfg.mix else [task_cfg]
     modules = ["asyncrl.rewards.tasks"]
     modules += [t.verifier.partition(":")[0] for t in tasks if t.verifier]
-    modules += [t.name.partition(":")[0] for t in tasks if ":" in t.name]
-    if any(t.name != "jsonl" and ":" not in t.name for t in tasks):
+    by_dataset = [t for t in tasks if not t.verifier]
+    modules += [t.name.partition(":")[0] for t in by_dataset if ":" in t.name]
+    if any(t.name != "jsonl" and ":" not in t.name for t in by_dataset):
         modules.append("reasoning_gym")
     return modules
 

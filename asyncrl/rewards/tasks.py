@@ -115,11 +115,14 @@ def held_out(key: str, fraction: float) -> bool:
 class TaskSource:
     """Items, prompts and scores of one dataset; `side` is "train" or "eval" of the holdout split."""
 
-    def __init__(
-        self, cfg: TaskConfig, seed: int | None = None, path: str | None = None, side: str = "train"
-    ):
+    def __init__(self, cfg: TaskConfig, seed: int | None = None, path: str | None = None, side: str = "train",
+                 score_only: bool = False):
+        """`score_only`: for a verifier worker, which only scores: with a verifier named, no dataset is
+        built (and reasoning-gym, ~2 s of CPU to import, is not imported)."""
         self.cfg, self.side = cfg, side
         self._verifier = import_object(cfg.verifier, "task.verifier") if cfg.verifier else None
+        if score_only and self._verifier is not None:
+            return
         self.split = cfg.name != "jsonl" and 0 < cfg.holdout < 1
         if self.split:  # candidates per index: one of its side turns up in all but ~e^-40 of indices
             share = cfg.holdout if side == "eval" else 1 - cfg.holdout
@@ -310,13 +313,13 @@ class MixedTasks:
     """Several tasks as one source (task.mix): item i comes from the task a seeded draw by weight
     picks for i, and carries that task's label in entry["task"] for prompts, scores and metrics."""
 
-    def __init__(self, cfg: TaskConfig, seed: int, held_out: bool):
+    def __init__(self, cfg: TaskConfig, seed: int, held_out: bool, score_only: bool = False):
         self.seed, self.tags, self.weights, self.sources = seed, [], [], {}
         for mix in cfg.mix:
             sub = TaskConfig(name=mix.name, path=mix.path, eval_path=mix.eval_path, params=mix.params,
                              prompt_format=mix.prompt_format, verifier=mix.verifier, seed=cfg.seed,
                              holdout=cfg.holdout if mix.holdout is None else mix.holdout, chat=cfg.chat)
-            source = load_tasks(sub, held_out, seed)
+            source = load_tasks(sub, held_out, seed, score_only)
             if source is None:  # no held-out rows for this task
                 continue
             self.sources[mix.tag] = source
@@ -343,18 +346,18 @@ class MixedTasks:
 
 
 def load_tasks(
-    cfg: TaskConfig, held_out: bool = False, seed: int | None = None
+    cfg: TaskConfig, held_out: bool = False, seed: int | None = None, score_only: bool = False
 ) -> TaskSource | MixedTasks | None:
-    """The training (or held-out) items `cfg` describes; None when there is no held-out set."""
+    """The training (or held-out) items `cfg` describes; None when there is no held-out set.
+    `score_only`: see TaskSource."""
     seed = seed if seed is not None else cfg.eval_seed if held_out else cfg.seed
     if cfg.mix:
-        mixed = MixedTasks(cfg, seed, held_out)
+        mixed = MixedTasks(cfg, seed, held_out, score_only)
         return mixed if mixed.tags else None
     if held_out and cfg.name == "jsonl" and not cfg.eval_path:
         return None
-    return TaskSource(
-        cfg, seed=seed, path=cfg.eval_path if held_out else None, side="eval" if held_out else "train"
-    )
+    return TaskSource(cfg, seed=seed, path=cfg.eval_path if held_out else None,
+                      side="eval" if held_out else "train", score_only=score_only)
 
 
 def eval_entries(tasks: TaskSource | MixedTasks, size: int) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ sizes         every size checked against what it must fit (context, queue, memor
 memory        whether a role died of memory (peak RSS, the kernel's OOM kills)
 resume_check  what a resumed run must agree with
 lock          one launcher per run directory
-standby       the warm spare trainer that takes over a dead one
+starter       one process that imports the roles' code once and forks each role
 threads       how many torch threads each role gets on this machine
 chaos         role kills on a schedule, for the recovery tests and benchmarks
 role          a role process's entry: logging, the fatal-error contract

@@ -65,7 +65,8 @@ class MemoryWatch:
         self.killed = kills is not None and self.kills is not None and kills > self.kills
         self.kills = kills
         for role, proc in procs.items():  # (local processes: a Ray actor's pid is another node's)
-            peak = peak_rss(proc.pid) if isinstance(proc, subprocess.Popen) else None
+            local = isinstance(proc, subprocess.Popen) or getattr(proc, "local", False)
+            peak = peak_rss(proc.pid) if local else None
             if peak is not None:
                 self.peaks[role] = max(peak, self.peaks.get(role, 0))
 

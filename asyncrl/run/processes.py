@@ -41,20 +41,22 @@ except (OSError, AttributeError):
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_launcher(launcher: int):
-    """preexec_fn of every role: SIGTERM when the launcher dies, however it dies (SIGKILL, OOM, a
-    closed terminal), so no role outlives it to write into a run that a --resume starts again."""
-    def bind() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher:  # it died between the fork and the line above
-            os._exit(1)
-    return bind if _PRCTL is not None else None
+def bind_to_parent(parent: int) -> None:
+    """SIGTERM when `parent` dies, however it dies (SIGKILL, OOM, a closed terminal), so that no role
+    outlives the launcher to write into a run that a --resume starts again."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died between the fork and the line above
+        os._exit(1)
 
 
 def spawn(cmd: list[str], **kwargs) -> subprocess.Popen:
     """A role's process: its own session (a Ctrl-C reaches the launcher, which stops it), and bound
     to the launcher's life."""
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_launcher(os.getpid()), **kwargs)
+    launcher = os.getpid()
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: bind_to_parent(launcher),
+                            **kwargs)
 
 
 def role_env(threads: int, **extra: str) -> dict:

@@ -1,6 +1,7 @@
 """The roles as processes: start one, stop them, and the supervisor that keeps them alive.
 
-Each role is `python -m <module> RUN_DIR` with its own thread count and log file: the trainer, the
+Each role runs as `python -m <module> RUN_DIR` would, with its own thread count and log file, forked
+from the run's role starter (starter.py; a new interpreter with run.fork_roles = false): the trainer, the
 orchestrator and inference replicas `inference-0` ... `inference-{N-1}` (inference.replicas). With
 run.launcher = "ray" the trainer and the replicas run inside Ray actors (asyncrl/cluster/ray_roles.py) and are
 supervised the same way. A role that dies or hangs is restarted and picks up from the run directory
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +21,9 @@ from asyncrl.inference import replica
 from asyncrl.observe.events import EventLog
 from asyncrl.run import heartbeat
 from asyncrl.run.memory import MemoryWatch
-from asyncrl.run.processes import RunError, role_env, spawn, start_role, start_vllm, stop, tail
+from asyncrl.run.processes import RunError, role_env, start_role, start_vllm, stop, tail
 from asyncrl.run.role import FATAL_EXIT, read_failure
+from asyncrl.run.starter import ForkedRole, Starter
 from asyncrl.rundir import RunDir
 
 
@@ -73,8 +73,8 @@ class Supervisor:
         self.restarts = {role: 0 for role in role_names(cfg)}
         self.started: dict[str, float] = {}
         self.events = EventLog(run_dir, "supervisor")
-        self.spare: subprocess.Popen | None = None  # asyncrl/run/standby.py, see run.warm_spare
-        self.spare_failed = False
+        self.starter: Starter | None = None  # starter.py
+        self.forking = cfg.run.fork_roles  # (off for the rest of the run once the starter fails)
         self.hosts = hosts
         self.memory = MemoryWatch()
 
@@ -96,16 +96,9 @@ class Supervisor:
             self.procs[role] = start_vllm(self.cfg, self.run_dir, threads, index, port, kind)
         elif self.hosts is not None and role != "orchestrator":
             self.procs[role] = self.hosts.start(role, threads, env)
-        elif self.spare is not None and self.spare.poll() is None:
-            order = {
-                "role": role,
-                "env": {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
-            }
-            self.spare.stdin.write(json.dumps(order) + "\n")
-            self.spare.stdin.close()
-            self.procs[role], self.spare = self.spare, None  # a new spare once every role beats again
         else:
-            self.procs[role] = start_role(role, self.run_dir, threads, **env)
+            self.procs[role] = self._fork(role, role_env(threads, **env)) or start_role(role, self.run_dir,
+                                                                                       threads, **env)
         self.started[role] = time.monotonic()
         pids = {r: p.pid for r, p in self.procs.items()}
         write_atomic(RunDir(self.run_dir).pids, json.dumps(pids))
@@ -142,35 +135,24 @@ class Supervisor:
         proc = self.procs.get(role)
         return proc.tail() if hasattr(proc, "tail") else tail(self.log_path(role))
 
-    def _start_spare_when_settled(self) -> None:
-        """A spare importing torch slows every role's start on a small machine: it waits for their first
-        beats."""
-        if (
-            self.spare is not None and self.spare.poll() is not None
-        ):  # it died on its own: go cold from now on
-            self.log(
-                f"supervisor: the warm spare exited with code {self.spare.returncode} (logs/standby.log); "
-                "restarts will start cold"
-            )
-            self.spare, self.spare_failed = None, True
-        beating = [r for r in self.procs if not self._vllm(r)]
-        wanted = self.cfg.run.warm_spare == "always" or (self.cfg.run.warm_spare == "after_failure"
-                                                         and any(self.restarts.values()))
-        if (
-            wanted
-            and not self.spare_failed
-            and self.spare is None
-            and all(heartbeat.age(self.run_dir, r) is not None for r in beating)
-        ):
-            log = open(RunDir(self.run_dir).log("standby"), "a")
-            self.spare = spawn([sys.executable, "-m", "asyncrl.run.standby", str(self.run_dir)],
-                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                               env=role_env(1))
+    def _fork(self, role: str, env: dict) -> ForkedRole | None:
+        """The role forked by the run's starter (started on first use); None when forking is off or the
+        starter failed (from then on every start is cold, and the console says why once)."""
+        if not self.forking:
+            return None
+        if self.starter is None or not self.starter.alive():
+            self.starter = Starter(self.run_dir, role_env(1))
+        try:
+            return self.starter.start(role, env, self.cfg.timeouts.startup)
+        except (RuntimeError, TimeoutError) as e:
+            self.log(f"supervisor: {e} (logs/starter.log); roles start cold from now on")
+            self.events.write("starter_failed", why=str(e))
+            self.starter.close(grace=0)
+            self.forking = False
+            return None
 
     def finished(self) -> bool:
         """Check every role once; True when the trainer and the orchestrator have both completed."""
-        if self.hosts is None:
-            self._start_spare_when_settled()
         self.memory.sample(self.procs)
         for role, proc in list(self.procs.items()):
             code = proc.poll()
@@ -228,8 +210,10 @@ class Supervisor:
 
     def stop(self) -> None:
         try:
-            stop({**self.procs, **({"spare": self.spare} if self.spare else {})})
+            stop(self.procs)
         finally:
+            if self.starter is not None:
+                self.starter.close()
             if self.hosts is not None:
                 self.hosts.close()
 
