@@ -36,9 +36,19 @@ BUILT = {"tiny_model", "calc_model", "vision_model"}  # the session's built poli
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that need no built policy first (279 of 376, ~4 min of a worker's time): while one worker
-    builds the tiny policy, the other runs them instead of waiting on the build's lock (it waited ~150 s)."""
-    items.sort(key=lambda item: bool(BUILT & set(item.fixturenames)))
+    """The order two workers finish soonest in: one test that needs the default policy first, so that the
+    first worker builds it (~2.5 min) at once while the other runs the tests that need no built policy
+    (279 of 377, ~4 min of a worker); then those; then the long tests (marked `long`), so that none is
+    left to end the suite alone; then the rest. (With the built tests last, both workers reached the
+    build together and one waited ~170 s on its lock.)"""
+    def needs_built(item) -> bool:
+        return bool(BUILT & set(item.fixturenames))
+
+    def long(item) -> bool:
+        return item.get_closest_marker("long") is not None
+
+    first = next((i for i in items if "tiny_model" in i.fixturenames and not long(i)), None)
+    items.sort(key=lambda item: (item is not first, needs_built(item), not long(item)))
 
 
 @pytest.fixture(scope="session")
@@ -112,6 +122,24 @@ def job_args(tmp_path: Path, model: str, **overrides) -> list[str]:
         for k, v in base.items()
         for x in (f"--{k}", v if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v))
     ]
+
+
+def stop_when(run_dir: Path, ready, seconds: float, what: str) -> int:
+    """Stop the run (the control API's POST /stop) once `ready()` holds; the step count it ends at. A test
+    that needs a run only until something has happened (a role back, a replica joined) ends it there,
+    instead of sizing run.steps for the slowest machine it may meet."""
+    from asyncrl.control import ctl
+    from asyncrl.files import poll
+
+    poll(ready, seconds, what, every=0.2)
+    return ctl.request(run_dir, "POST", "/stop")["value"]
+
+
+def events_of(run_dir: Path, kind: str, **match) -> list[dict]:
+    """The run's events of `kind` whose fields include `match`."""
+    from asyncrl.observe.events import read_events
+
+    return [e for e in read_events(run_dir) if e["event"] == kind and match.items() <= e.items()]
 
 
 @pytest.fixture

@@ -94,6 +94,7 @@ def start_run(tmp_path, model, **overrides) -> tuple[subprocess.Popen, object]:
     return proc, run_dir
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
     """lr and η are changed mid-run; the trainer and the orchestrator are SIGKILLed after the change,
@@ -150,6 +151,7 @@ def test_live_changes_survive_killed_roles_and_a_resume(tiny_model, tmp_path):
     assert " INFO trainer: done, 28 steps" in (run_dir / "logs" / "trainer.log").read_text()  # (level info)
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_run_is_lengthened_checkpointed_on_request_and_stopped(tiny_model, tmp_path):
     """run.steps 28 -> 40, temperature 1 -> 0.7 and a checkpoint asked for early on; past step 28 the run
@@ -215,6 +217,7 @@ def test_the_report_marks_each_change_where_it_took_effect(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_paused_run_outlasts_its_deadlines_and_goes_on(tiny_model, tmp_path):
     """Paused for longer than every wait's deadline (15 s here): nothing times out, nothing restarts, no

@@ -34,6 +34,7 @@ def browser():
     return webdriver.Chrome(service=Service(DRIVER), options=options)
 
 
+@pytest.mark.long
 def test_the_dashboard_draws_live_data_and_steers_the_run(tiny_model, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait

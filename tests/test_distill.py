@@ -72,6 +72,7 @@ def test_a_teachers_scores_are_a_plain_forward_of_the_teacher(tiny_model, tmp_pa
         torch.testing.assert_close(torch.tensor([top[1] for top in got["top"]]), values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.long
 def test_opd_teaches_the_student_and_a_killed_teacher_is_restarted(weak_student, tiny_model, tmp_path,
                                                                    record):
     cfg = job_config(tmp_path, weak_student, **RUN, **{"teacher.path": tiny_model})

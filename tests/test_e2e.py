@@ -81,6 +81,7 @@ def test_reward_rises(tiny_model, tmp_path, record):
     assert gain > 0.15, summary
 
 
+@pytest.mark.long
 def test_run_plans_its_threads_and_reports_where_the_time_went(tiny_model, tmp_path):
     # (run.cores: the planner's cores, whatever the other test worker keeps busy)
     cfg = job_config(tmp_path, tiny_model, **{"run.steps": 4, "trainer.threads": 0, "inference.threads": 0,

@@ -66,6 +66,7 @@ def test_the_engines_merge_is_peft_merge_and_computes_the_adapted_forward():
         served.apply({k: v for k, v in second.items() if "layers.0." not in k}, "v000003.safetensors")
 
 
+@pytest.mark.long
 def test_a_lora_run_round_trips_its_adapters(tiny_model, tmp_path):
     """4 steps at η = 0 (the engine samples with the version the trainer trains: its logprobs must equal
     the trainer's, which they do only if the engine merged each version's adapters), checkpoints at 2

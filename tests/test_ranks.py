@@ -156,6 +156,7 @@ def assert_same_optimizer(a: dict, b: dict) -> None:
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
 
 
+@pytest.mark.long
 def test_checkpoints_reshard_between_one_and_two_ranks(tiny_model, tmp_path):
     """A checkpoint written by 2 ranks (each its shard of the optimizer, DCP) resumes on 1 with every moment
     exact, and one written by 1 rank resumes on 2."""
@@ -177,6 +178,7 @@ def _followers(pid: int) -> list[int]:
     return [int(c) for c in children.read_text().split()] if children.exists() else []
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_two_ranks_end_to_end_a_dead_rank_and_a_resume_on_one(tiny_model, tmp_path, record):
     """trainer.ranks = 2 under the local launcher: rank 1 is SIGKILLed mid-run, the leader stops the group

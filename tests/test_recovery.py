@@ -28,19 +28,22 @@ def cli_args(tmp_path, model, **extra) -> list[str]:
     return [sys.executable, "-m", "asyncrl.cli", "train", *job_args(tmp_path, model, **RUN, **extra)]
 
 
-def assert_nothing_lost(run_dir) -> dict:
+def assert_nothing_lost(run_dir, steps: int | None = None) -> dict:
+    """`steps`: where the run was stopped (conftest.stop_when), if not at its run.steps."""
     cfg = read_run_config(run_dir)
+    steps = steps or cfg.run.steps
     report = audit(run_dir, cfg.rollout.max_staleness)
     assert report["problems"] == [], report
-    assert report["steps"] == report["steps_committed"] == cfg.run.steps
+    assert report["steps"] == report["steps_committed"] == steps
     committed = report["samples_by_state"]["committed"]
-    assert committed == cfg.run.steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert committed == steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert report["samples_by_state"].get("batched", 0) == 0  # every trained sample is in a checkpoint
     assert report["trained_twice"] == 0 and report["stale_samples_trained"] == 0
     assert set(report["samples_dropped"]) <= {"too_stale"}, report  # the only reason to drop here
     return report
 
 
+@pytest.mark.long
 def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     """Kills land mid-step: each waits for its step, then up to one step's time more. The last is at
     step 19 of 28, so a kill misses the run only if it is late by 9 steps' time.
@@ -73,6 +76,7 @@ def test_each_role_killed_twice_at_random_moments(tiny_model, tmp_path, record):
     assert_nothing_lost(run_dir)
 
 
+@pytest.mark.long
 def test_sigterm_then_resume_with_a_corrupt_newest_checkpoint(tiny_model, tmp_path):
     """With run.prune_trained: the fallback to the checkpoint before the corrupt one still finds its
     batches (only those before the oldest kept checkpoint are pruned)."""
@@ -139,6 +143,7 @@ def test_a_role_that_keeps_dying_stops_the_run_with_its_error(tiny_model, tmp_pa
     assert [e["target"] for e in read_events(cfg.run_dir) if e["event"] == "role_restarted"] == ["trainer"]
 
 
+@pytest.mark.long
 def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
     tiny_model, tmp_path, tests_on_path, monkeypatch
 ):
@@ -161,6 +166,7 @@ def test_a_hung_trainer_is_restarted_when_its_heartbeat_stops(
     assert_nothing_lost(run_dir)
 
 
+@pytest.mark.long
 def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_hang(tiny_model, tmp_path, tests_on_path,
                                                                  monkeypatch):
     """One step takes 12 s with timeouts.heartbeat = 4: the trainer beats through it (deterministic:
@@ -238,6 +244,7 @@ def test_roles_die_with_their_launcher_however_it_dies(tiny_model, tmp_path):
     assert not [role for role, pid in roles.items() if alive(pid)]
 
 
+@pytest.mark.long
 def test_checkpoints_in_run_storage_and_a_resume_from_there(tiny_model, tmp_path):
     """run.storage: the checkpoints go to <storage>/<name>/checkpoints, none to the run directory; a new
     run of the same name there is refused (it would mix two runs' checkpoints); --resume continues."""

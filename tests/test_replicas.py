@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job_args
+from conftest import events_of, job_args, stop_when
 from test_recovery import assert_nothing_lost
 
 from asyncrl.observe.events import read_events
@@ -24,7 +24,8 @@ RUN = {"run.steps": 16, "rollout.prompts_per_step": 4, "rollout.group_size": 4, 
        "task.eval_size": 50, "task.eval_every": 16, "inference.replicas": 2}
 
 
-STEPS = 120  # of the test with a kill and a join
+STEPS = 120  # at most, for the tests with a kill or a join: they stop the run once it is seen (stop_when)
+AFTER = 3  # steps trained after the last thing a test waits for, before it stops the run
 
 
 def train_cli(tmp_path, model, **overrides) -> subprocess.Popen:
@@ -38,9 +39,11 @@ def routed_sequences(events: list[dict]) -> dict[int, int]:
     return {int(k): v for k, v in routing["sequences"].items()}
 
 
+@pytest.mark.long
 def test_replica_killed_and_replica_joining_mid_run(tiny_model, tmp_path, record):
-    """Replica 1 is SIGKILLed after step 2; a third replica, started by hand after step 3, joins. A replica
-    starts in ~6 s and a step takes ~0.25 s: 120 steps leave both several times the time they need."""
+    """Replica 1 is SIGKILLed after step 2; a third replica, started by hand after step 3, joins. Once
+    both serve the run and AFTER more steps are trained, the run is stopped (a cold replica starts in
+    ~6 s, a step takes ~0.25 s: 120 steps are the bound, not the length)."""
     run_dir = tmp_path / "runs" / "job"
     proc = train_cli(tmp_path, tiny_model, **{"run.steps": STEPS, "task.eval_every": STEPS,
                                                    "trainer.checkpoint_every": 20})
@@ -53,6 +56,9 @@ def test_replica_killed_and_replica_joining_mid_run(tiny_model, tmp_path, record
             time.sleep(0.05)
         joined = start_role("inference-2", run_dir, threads=1)
         wait_for_replica(joined, run_dir, 60, index=2)
+        end = stop_when(run_dir, lambda: served_by_then(run_dir, [("inference_recovered", 1),
+                                                                  ("replica_joined", 2)]), 300,
+                        "replica 1 back and replica 2 joined")
         out, _ = proc.communicate(timeout=600)
     finally:
         if joined is not None:
@@ -62,13 +68,20 @@ def test_replica_killed_and_replica_joining_mid_run(tiny_model, tmp_path, record
     events = read_events(run_dir)
     for kind, index in (("inference_recovered", 1), ("replica_joined", 2)):  # back (or in) at version v
         [served] = [e["version"] for e in events if e["event"] == kind and e["replica"] == index]
-        record(f"steps_left_at_{kind}", STEPS - served, threshold=0)
+        record(f"steps_left_at_{kind}", end - served, threshold=0)
     sequences = routed_sequences(events)
     record("sequences_to_joined_replica", sequences[2], threshold=0)
     assert sequences[0] > 0 and sequences[1] > 0 and sequences[2] > 0, sequences
-    assert_nothing_lost(run_dir)
+    assert_nothing_lost(run_dir, end)
 
 
+def served_by_then(run_dir: Path, waited: list[tuple[str, int]]) -> bool:
+    """Every (event, replica) in `waited` has happened, and AFTER steps have been trained since the last."""
+    versions = [events_of(run_dir, kind, replica=index) for kind, index in waited]
+    return all(versions) and steps_recorded(run_dir) >= max(v[0]["version"] for v in versions) + AFTER
+
+
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp_path, ray_cluster, record):
     """Run.launcher ray: the trainer in an actor on the driver's node, two replicas pinned to the simulated
@@ -85,6 +98,8 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
                                               "task.eval_every": STEPS, "trainer.checkpoint_every": 20})
     chaos = Chaos(run_dir, [("inference-0", 2)], seed=5)
     chaos.start()
+    end = stop_when(run_dir, lambda: served_by_then(run_dir, [("inference_recovered", 0)]), 600,
+                    "replica 0 back")
     out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 0, out[-3000:]
     assert "ray: placed the trainer's 1 rank(s), 2 inference replica(s) and 1 teacher(s)" in out
@@ -94,13 +109,13 @@ def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp
     assert audit(run_dir, 1, distilled=True)["trained_without_teacher"] == 0
     events = read_events(run_dir)
     [served] = [e["version"] for e in events if e["event"] == "inference_recovered" and e["replica"] == 0]
-    record("steps_left_at_inference_recovered", STEPS - served, threshold=0)
+    record("steps_left_at_inference_recovered", end - served, threshold=0)
     assert all(n > 0 for n in routed_sequences(events).values())
     for i in range(2):  # their logs came back; they served from a directory that is not the run's
         log = (run_dir / "logs" / f"inference-{i}.log").read_text()
         assert f"inference {i}: serving" in log
     assert not list((run_dir / "weights").glob("*.staged*"))
-    assert_nothing_lost(run_dir)
+    assert_nothing_lost(run_dir, end)
 
 
 def trainer_host_after(run_dir: Path, step: int, previous: str | None, proc) -> dict:
@@ -116,6 +131,7 @@ def trainer_host_after(run_dir: Path, step: int, previous: str | None, proc) -> 
     raise AssertionError(f"no new trainer host by step {step}: {proc.poll()=}")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ray_trainer_ranks_on_two_nodes_keep_their_state_in_run_storage(tiny_model, tmp_path, ray_cluster,
                                                                        record):
@@ -127,16 +143,16 @@ def test_ray_trainer_ranks_on_two_nodes_keep_their_state_in_run_storage(tiny_mod
     import ray
 
     run_dir, storage = tmp_path / "runs" / "job", tmp_path / "bucket"
-    steps = 40
+    steps = 20
     proc = train_cli(tmp_path, tiny_model, **{
         "run.launcher": "ray", "run.ray_address": ray_cluster, "run.storage": str(storage),
         "inference.replicas": 1, "inference.ray_resources": "{node_b = 1}",
         "trainer.ray_resources": "{trainer_slot = 1}", "trainer.publish_patches": True, "run.steps": steps,
-        "trainer.ranks": 2, "task.eval_every": steps, "trainer.checkpoint_every": 8})
+        "trainer.ranks": 2, "task.eval_every": steps, "trainer.checkpoint_every": 4})
     killed, infos = [], []
     try:
         ray.init(address=ray_cluster, namespace="asyncrl", log_to_driver=False)
-        for at_step, actor in ((12, "{actor}"), (26, "{actor}.rank1")):
+        for at_step, actor in ((6, "{actor}"), (14, "{actor}.rank1")):
             infos.append(trainer_host_after(run_dir, at_step, infos[-1]["actor"] if infos else None, proc))
             ray.kill(ray.get_actor(actor.format(actor=infos[-1]["actor"])))
             killed.append(steps_recorded(run_dir))

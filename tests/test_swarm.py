@@ -220,6 +220,7 @@ def stop_holding_work(worker: subprocess.Popen, run_dir: Path, name: str) -> Non
     raise AssertionError(f"{name} never held work when stopped")
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_worker_dies_holding_work_and_a_cheat_joins_late_on_a_slow_link(tiny_model, tmp_path):
     """One worker is frozen, then killed, while it holds work: its lease expires and its groups go
