@@ -39,8 +39,9 @@ def pytest_collection_modifyitems(items):
     """The order two workers finish soonest in: one test that needs the default policy first, so that the
     first worker builds it (~2.5 min) at once while the other runs the tests that need no built policy
     (279 of 377, ~4 min of a worker); then those; then the long tests (marked `long`), so that none is
-    left to end the suite alone; then the rest. (With the built tests last, both workers reached the
-    build together and one waited ~170 s on its lock.)"""
+    left to end the suite alone, a group's first (the Ray tests share one worker and its cluster: two
+    clusters side by side slowed both runs); then the rest. (With the built tests last, both workers
+    reached the build together and one waited ~170 s on its lock.)"""
     def needs_built(item) -> bool:
         return bool(BUILT & set(item.fixturenames))
 
@@ -48,7 +49,10 @@ def pytest_collection_modifyitems(items):
         return item.get_closest_marker("long") is not None
 
     first = next((i for i in items if "tiny_model" in i.fixturenames and not long(i)), None)
-    items.sort(key=lambda item: (item is not first, needs_built(item), not long(item)))
+    def grouped(item) -> bool:
+        return item.get_closest_marker("xdist_group") is not None
+
+    items.sort(key=lambda item: (item is not first, needs_built(item), not long(item), not grouped(item)))
 
 
 @pytest.fixture(scope="session")

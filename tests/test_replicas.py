@@ -81,6 +81,7 @@ def served_by_then(run_dir: Path, waited: list[tuple[str, int]]) -> bool:
     return all(versions) and steps_recorded(run_dir) >= max(v[0]["version"] for v in versions) + AFTER
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ray_replicas_on_a_second_node_without_the_run_directory(tiny_model, tmp_path, ray_cluster, record):
@@ -131,6 +132,7 @@ def trainer_host_after(run_dir: Path, step: int, previous: str | None, proc) -> 
     raise AssertionError(f"no new trainer host by step {step}: {proc.poll()=}")
 
 
+@pytest.mark.xdist_group("ray")
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ray_trainer_ranks_on_two_nodes_keep_their_state_in_run_storage(tiny_model, tmp_path, ray_cluster,
@@ -178,6 +180,7 @@ def test_ray_trainer_ranks_on_two_nodes_keep_their_state_in_run_storage(tiny_mod
     assert_nothing_lost(run_dir)
 
 
+@pytest.mark.xdist_group("ray")
 def test_ray_placement_that_cannot_be_met_is_one_line(tiny_model, tmp_path, ray_cluster):
     proc = train_cli(tmp_path, tiny_model, **{"run.launcher": "ray", "run.ray_address": ray_cluster,
                                               "inference.ray_resources": "{node_c = 1}",
