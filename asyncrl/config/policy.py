@@ -22,8 +22,8 @@ class WarmstartConfig(Section):
     """The supervised warm start that builds the tiny default policy (asyncrl/policy/warmstart.py)."""
 
     # 1500 x 32: the ~52% greedy start of 1500 x 64 on half the examples (~2.4 min on 2 cores instead of
-    # ~4.5): a smaller batch climbs out of the plateau on about as many examples (~18K for seed 0) and past
-    # it on fewer (docs/default_recipe.md)
+    # ~4.5) for seeds 0 and 1; seed 2 ends partly on the loss plateau (26%; 50% with x 64), so this is not
+    # yet a recipe for every seed (docs/default_recipe.md)
     steps: int = Field(1500, ge=1)
     max_seconds: float = Field(900.0, gt=0, description="stop early on a slow machine")
     batch_size: int = Field(32, ge=1)
