@@ -152,9 +152,9 @@ class Starter:
     def __init__(self, run_dir: Path, env: dict):
         from asyncrl.run.processes import spawn
 
-        log = open(RunDir(run_dir).log("starter"), "a")
-        self.proc = spawn([sys.executable, "-m", "asyncrl.run.starter", str(run_dir)], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=log, env=env)
+        with open(RunDir(run_dir).log("starter"), "a") as log:  # (the child keeps its own copy)
+            self.proc = spawn([sys.executable, "-m", "asyncrl.run.starter", str(run_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.pending = b""
         self.forked: dict[str, list[int]] = {}  # role -> pids forked for it, in order
@@ -209,6 +209,8 @@ class Starter:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+        finally:
+            self.proc.stdout.close()
 
 
 def _exists(pid: int) -> bool:
