@@ -1,4 +1,5 @@
-"""The two ways a role touches shared files: write atomically, and wait for something with a deadline.
+"""The two ways a role touches shared files: write atomically, and wait for something with a deadline
+(and whether the process a file names still exists).
 
 Every file another process reads (batches, weights, markers, replicas/<i>.json, metrics) is written
 to a temporary name beside it and renamed into place, so a reader never sees half of one. Every
@@ -103,3 +104,14 @@ def exclusive(lock: str | Path, what: str, seconds: float, log=print) -> Iterato
 
 def _holder(fd: int) -> str:
     return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: it exists, signal or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -15,13 +15,13 @@
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from asyncrl.config import ConfigError
 from asyncrl.control.access import read_token
+from asyncrl.files import process_exists
 from asyncrl.rundir import RunDir
 
 DEADLINE = 10.0  # seconds for the job to answer
@@ -69,15 +69,7 @@ def _not_running(run_dir: str | Path) -> str:
 
 
 def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return True  # (an address without a pid: ask it)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return process_exists(pid) if isinstance(pid, int) else True  # (an address without a pid: ask it)
 
 
 COMMANDS = ("status", "set", "eval", "checkpoint", "stop", "pause", "resume", "dashboard", "workers")

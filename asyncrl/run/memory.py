@@ -7,6 +7,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from asyncrl.run.starter import ForkedRole
+
 GIB = 2**30
 NEAR = 0.8  # a SIGKILLed role whose peak was this share of the memory it could have: counted as OOM
 CGROUP_EVENTS = (Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control"))
@@ -65,8 +67,7 @@ class MemoryWatch:
         self.killed = kills is not None and self.kills is not None and kills > self.kills
         self.kills = kills
         for role, proc in procs.items():  # (local processes: a Ray actor's pid is another node's)
-            local = isinstance(proc, subprocess.Popen) or getattr(proc, "local", False)
-            peak = peak_rss(proc.pid) if local else None
+            peak = peak_rss(proc.pid) if isinstance(proc, (subprocess.Popen, ForkedRole)) else None
             if peak is not None:
                 self.peaks[role] = max(peak, self.peaks.get(role, 0))
 

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.files import process_exists
 from asyncrl.rundir import RunDir
 
 
@@ -30,8 +31,8 @@ def warm_up(run_dir: Path) -> None:
     """Import what the roles import; a part that fails is left to the role that needs it."""
     import importlib
 
-    for module in ("torch", "transformers", "reasoning_gym", "asyncrl.inference.server",
-                   "asyncrl.trainer.main", "asyncrl.orchestrator.main"):
+    for module in ("reasoning_gym", "asyncrl.inference.server", "asyncrl.trainer.main",
+                   "asyncrl.orchestrator.main"):  # (torch and transformers with them)
         try:
             importlib.import_module(module)
         except Exception as e:  # (the role meets it again, and says so in its own log)
@@ -116,8 +117,6 @@ def main(run_dir: str) -> None:
 class ForkedRole:
     """A role the starter forked, with the part of subprocess.Popen's interface the supervisor uses."""
 
-    local = True  # (on this machine: the memory watch reads its /proc entry)
-
     def __init__(self, starter: "Starter", role: str, pid: int):
         self.starter, self.role, self.pid = starter, role, pid
         self.returncode: int | None = None
@@ -183,7 +182,7 @@ class Starter:
         self._read()
         if pid in self.codes:
             return self.codes[pid]
-        if not self.alive() and not _exists(pid):  # (the starter's death sent it SIGTERM: bind_to_parent)
+        if not self.alive() and not process_exists(pid):  # (its starter's death sent it SIGTERM)
             self.codes[pid] = -signal.SIGTERM
         return self.codes.get(pid)
 
@@ -211,16 +210,6 @@ class Starter:
             self.proc.wait()
         finally:
             self.proc.stdout.close()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":
